@@ -1,0 +1,104 @@
+"""Atomic writes, the ``latest`` pointer swap, and atomic directory replacement.
+
+Guarantees, on a POSIX filesystem that honours fsync: after each function
+returns, the change is durable and a reader saw either the old or the new
+state, never a mix. No locking here: callers hold the sidecar lock where the
+design asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import uuid
+from pathlib import Path
+
+from .fileops import FileOps
+
+# Filesystems without symlinks (some FUSE, SMB and object-store mounts) say so
+# with one of these; ``latest`` then becomes a small file naming the directory.
+_NO_SYMLINK = {errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp.{uuid.uuid4().hex[:12]}")
+
+
+def atomic_write(path: Path, data: bytes, ops: FileOps) -> None:
+    """Write ``data`` to ``path`` through a temp file: write, fsync, ``os.replace``, dir fsync."""
+    tmp = _temp_sibling(path)
+    try:
+        ops.write_file(tmp, data)
+        ops.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    ops.fsync_dir(path.parent)
+
+
+def swap_pointer(pointer: Path, target_name: str, ops: FileOps) -> None:
+    """Point ``pointer`` at sibling ``target_name`` atomically (symlink, else a small file)."""
+    tmp = _temp_sibling(pointer)
+    try:
+        ops.symlink(target_name, tmp)
+    except OSError as e:
+        if e.errno not in _NO_SYMLINK:
+            raise
+        atomic_write(pointer, (target_name + "\n").encode(), ops)
+        return
+    try:
+        ops.replace(tmp, pointer)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    ops.fsync_dir(pointer.parent)
+
+
+def read_pointer(pointer: Path) -> str | None:
+    """The name ``pointer`` designates, or None when it is missing or unreadable."""
+    try:
+        return os.readlink(pointer)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: not a symlink, so the small-file form
+            return None
+    try:
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def replace_dir(src: Path, dst: Path, displaced: Path, retired: Path, ops: FileOps) -> bool:
+    """Move directory ``src`` to ``dst``; an existing ``dst`` ends up at ``retired``.
+
+    With ``renameat2(RENAME_EXCHANGE)`` there is no instant without a complete
+    ``dst``. Where the filesystem lacks it (NFS, FUSE), the old copy is renamed
+    to ``displaced`` first and to ``retired`` once the new copy is in place; a
+    crash between the renames leaves it at ``displaced``, a name start-up
+    recovery knows to put back. Returns whether a ``dst`` existed. Fsyncs the
+    parents of ``dst`` and ``retired``.
+    """
+    if not os.path.lexists(dst):
+        ops.replace(src, dst)
+        ops.fsync_dir(dst.parent)
+        return False
+    try:
+        ops.exchange(src, dst)
+    except OSError as e:
+        if e.errno not in _NO_EXCHANGE:
+            raise
+        ops.replace(dst, displaced)
+        ops.fsync_dir(displaced.parent)
+        ops.replace(src, dst)
+        ops.replace(displaced, retired)
+    else:
+        ops.replace(src, retired)  # src now holds the old copy
+    ops.fsync_dir(retired.parent)
+    ops.fsync_dir(dst.parent)
+    return True

@@ -1,0 +1,153 @@
+"""DCP files in and out, without running code from the checkpoint.
+
+Plain ``dcp.load`` unpickles ``.metadata`` with ``pickle.load`` and loads every
+non-tensor value (optimizer hyper-parameters, for instance) with
+``torch.load(weights_only=False)``: a crafted checkpoint runs arbitrary code.
+Here ``.metadata`` goes through :class:`RestrictedUnpickler`, which admits only
+the classes DCP metadata is made of, and non-tensor values are loaded with
+``weights_only=True``. What we write stays readable by plain ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+from .errors import IncompleteCheckpointError, UnsafeCheckpointError
+
+METADATA_NAME = ".metadata"
+
+# dcp.save/load warn on every single-process call that they assume a single
+# process; for us that is the expected case, not news.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
+
+_ALLOWED_GLOBALS: set[tuple[str, str]] = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided etc.
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def _is_dcp_metadata_class(module: str, name: str) -> bool:
+    if module != dcp_metadata.__name__:
+        return False
+    obj = getattr(dcp_metadata, name, None)
+    # Classes only (dataclasses and enums); a function there would be a call we never allow.
+    return isinstance(obj, type) and obj.__module__ == module
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; any other global is refused with :class:`UnsafeCheckpointError`."""
+
+    def __init__(self, file: io.BufferedIOBase, *, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or _is_dcp_metadata_class(module, name):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self._source} asks to load {module}.{name}, which DCP metadata never contains: "
+            "the file was modified or is not a DCP checkpoint. safeckpt refuses to load it "
+            "because unpickling it could run code. Restore another checkpoint; inspect this one "
+            "only if you trust its origin.",
+            path=self._source,
+        )
+
+
+def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
+    """``.metadata`` of ``checkpoint_dir``, through :class:`RestrictedUnpickler`."""
+    path = checkpoint_dir / METADATA_NAME
+    with open(path, "rb") as f:
+        try:
+            metadata = RestrictedUnpickler(f, source=str(path)).load()  # type: ignore[arg-type]
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # a truncated or garbled pickle
+            raise IncompleteCheckpointError(
+                f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the checkpoint "
+                "is damaged. Restore another one.",
+                path=str(path),
+            ) from e
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise IncompleteCheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not DCP metadata; restore another checkpoint.",
+            path=str(path),
+        )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` whose ``.metadata`` goes through the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Loads non-tensor values with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"the value {read_item.dest_index.fqn!r} in the checkpoint is not plain data "
+                f"({e}); safeckpt will not unpickle it. Restore another checkpoint.",
+            ) from e
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
+    if group is None or not dist.is_initialized():
+        return {"no_dist": True}
+    return {"process_group": group}
+
+
+def save(state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+    """Write ``state_dict`` with DCP into ``directory``; every file fsynced.
+
+    Collective over ``group`` (every rank of it calls this with the same directory).
+    """
+    writer = FileSystemWriter(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
+    dcp.save(dict(state_dict), storage_writer=writer, **_group_or_none(group))
+
+
+def load(state_dict: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+    """Load ``directory`` into ``state_dict`` in place, safely. Collective over ``group``."""
+    dcp.load(
+        state_dict,
+        storage_reader=SafeFileSystemReader(directory),
+        planner=SafeLoadPlanner(),
+        **_group_or_none(group),
+    )

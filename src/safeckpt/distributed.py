@@ -1,0 +1,144 @@
+"""Ranks, the manager's own process groups, and agreement on outcomes.
+
+Two dedicated gloo groups, created once by every rank in the same order:
+
+* ``control``: the training thread's agreement at the end of ``save()``,
+  ``wait()``, ``flush()`` and ``close()``, restore decisions and ``dcp.load``;
+* ``writer``: DCP saves and the writer thread's agreement on each save.
+
+A collective on one group never runs concurrently from two threads, and the
+training thread never uses the group the writer thread runs DCP on: mixing
+them deadlocks under tightly spaced async saves. Without ``torch.distributed``
+(or with one rank) the same code runs with one participant and no groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CheckpointError, RankAgreementError
+
+
+@dataclass
+class Participants:
+    """The ranks that checkpoint together. Rank 0 alone writes records, moves ``latest``, prunes."""
+
+    rank: int = 0
+    world_size: int = 1
+    control: dist.ProcessGroup | None = None
+    writer: dist.ProcessGroup | None = None
+    timeout: float = 600.0
+
+    @classmethod
+    def create(cls, *, timeout: float) -> Participants:
+        """One participant, or every rank of the default group (collective then)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(timeout=timeout)
+        delta = datetime.timedelta(seconds=timeout)
+        control = dist.new_group(backend="gloo", timeout=delta)
+        writer = dist.new_group(backend="gloo", timeout=delta)
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            control=control,
+            writer=writer,
+            timeout=timeout,
+        )
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def gather(self, obj: Any, group: dist.ProcessGroup | None, *, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order. Collective over ``group``."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, obj, group=group)
+        except Exception as e:
+            raise self._lost(what, e) from e
+        return out
+
+    def broadcast(self, obj: Any, group: dist.ProcessGroup | None, *, what: str) -> Any:
+        """Rank 0's ``obj`` on every rank. Collective over ``group``."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        except Exception as e:
+            raise self._lost(what, e) from e
+        return box[0]
+
+    def agree(
+        self,
+        error: BaseException | None,
+        group: dist.ProcessGroup | None,
+        *,
+        what: str,
+        step: int | None = None,
+    ) -> None:
+        """Return if every rank succeeded; else raise the same error on every rank.
+
+        One participant: re-raises its own error unchanged. Several: a single
+        distinct failure is re-raised as it is on every rank (with ``rank`` set);
+        several become a :class:`RankAgreementError` naming each failing rank.
+        """
+        errors = self.gather(portable(error), group, what=what)
+        failures = {rank: e for rank, e in enumerate(errors) if e is not None}
+        if not failures:
+            return
+        if not self.distributed:
+            assert error is not None
+            raise error
+        raise agreed_error(failures, what=what, step=step)
+
+    def _lost(self, what: str, cause: Exception) -> RankAgreementError:
+        return RankAgreementError(
+            f"rank {self.rank}: the ranks could not agree on {what}: {cause}. Another rank "
+            f"probably died or stopped answering within {self.timeout:.0f} s. Nothing of this "
+            "operation was committed; restart the job, and it resumes from the last committed "
+            "checkpoint.",
+            failures={-1: str(cause)},
+            step=None,
+            rank=self.rank,
+        )
+
+
+def agreed_error(failures: Mapping[int, BaseException], *, what: str, step: int | None) -> CheckpointError:
+    """The one error every rank raises for ``failures`` (rank -> error)."""
+    messages = {rank: f"{type(e).__name__}: {e}" for rank, e in failures.items()}
+    distinct = {str(e) for e in failures.values()}
+    if len(distinct) == 1:
+        rank, first = min(failures.items())
+        if isinstance(first, CheckpointError):
+            first.rank = rank if len(failures) == 1 else None
+            return first
+    listing = "; ".join(f"rank {r}: {m}" for r, m in sorted(messages.items()))
+    return RankAgreementError(
+        f"{what} failed on rank(s) {sorted(failures)}: {listing}",
+        failures=messages,
+        step=step,
+    )
+
+
+def portable(error: BaseException | None) -> BaseException | None:
+    """``error`` if it pickles, else a CheckpointError with its text (for all_gather_object)."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return CheckpointError(f"{type(error).__name__}: {error}")

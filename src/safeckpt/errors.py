@@ -1,0 +1,120 @@
+"""Errors. Everything safeckpt raises derives from :class:`CheckpointError`.
+
+Each error carries the fields a caller may want to act on (``path``, ``step``,
+``rank``) and a message that says what happened and what to do. All of them
+pickle, so they cross process boundaries (spawned ranks, ``multiprocessing``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class CheckpointError(Exception):
+    """Base class of every safeckpt error.
+
+    ``path``, ``step`` and ``rank`` are set where they are known, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.step = step
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.__dict__.copy()))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[CheckpointError], message: str, fields: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The requested checkpoint (step or path) does not exist."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint exists but is not committed, or its files do not match its record."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asked to run code or build an object that loading never allows."""
+
+
+class InvalidSaveError(CheckpointError, ValueError):
+    """``save()`` was called with arguments that cannot be saved; nothing was written."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """A value in the state cannot be saved without pickle, or loaded into what was given."""
+
+
+class SaveFailedError(CheckpointError):
+    """A save failed while being written; nothing of it was committed.
+
+    ``cause`` is the original error (also chained as ``__cause__``). For a save
+    that failed on several ranks, ``failures`` maps each failing rank to its
+    error message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        cause: BaseException | None = None,
+        failures: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.cause = cause
+        self.failures = dict(failures or {})
+
+
+class RankAgreementError(CheckpointError):
+    """Ranks did not reach the same outcome: one or more failed or stopped answering.
+
+    ``failures`` maps each failing rank to what it reported (or to the reason it
+    is presumed dead). Every rank raises this error with the same ``failures``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: Mapping[int, str] | None = None,
+        step: int | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.failures = dict(failures or {})
+
+
+class LockTimeoutError(CheckpointError, TimeoutError):
+    """The sidecar lock of a checkpoint root could not be taken in time."""
+
+
+class ManagerClosedError(CheckpointError, RuntimeError):
+    """The manager was used after ``close()``."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration value is invalid or contradicts another one."""
