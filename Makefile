@@ -32,7 +32,7 @@ demo: setup
 
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-slow: setup system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

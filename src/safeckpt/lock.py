@@ -125,7 +125,7 @@ class SidecarLock:
 
     def _timeout_error(self) -> LockTimeoutError:
         return LockTimeoutError(
-            f"could not take the sidecar lock {self.path} within {self.timeout:.0f} s: another "
+            f"could not take the sidecar lock {self.path} within {self.timeout:g} s: another "
             "process (a training job or a `safeckpt` command) holds it. Wait for it to finish, "
             "or raise lock_timeout if it is expected to hold the lock this long.",
             path=str(self.path),

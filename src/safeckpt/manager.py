@@ -25,6 +25,7 @@ import contextlib
 import logging
 import operator
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import dcp_io
 from ._version import __version__
 from .atomic import read_pointer, replace_dir, swap_pointer
+from .catalog import scan
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
 from .errors import (
@@ -203,28 +205,26 @@ class CheckpointManager:
     def _open_root(self, lock_timeout: float, retry_interval: float) -> None:
         """Rank 0: recover from an interrupted run, load the view, start the deleter."""
         self.root.mkdir(parents=True, exist_ok=True)
+        self._layout.staging.mkdir(exist_ok=True)
+        self._layout.trash.mkdir(exist_ok=True)
         self._lock = SidecarLock(self._layout.lock_path, timeout=lock_timeout)
         recover_interrupted_replacements(self._layout, self._lock, self._ops)
         abandoned = collect_abandoned_staging(self._layout, self._lock, self._ops)
         if abandoned:
             logger.info("collecting %d interrupted save(s) from %s", len(abandoned), self.root)
-        for step, path in self._layout.committed_dirs():
-            try:
-                record = read_record(path)
-            except IncompleteCheckpointError as e:
-                logger.warning("safeckpt: ignoring %s: %s", path, e)
-                continue
-            if record is None or not record.committed or record.step != step:
+        catalog = scan(self.root)
+        for entry in catalog.entries:
+            if entry.committed:
+                assert entry.record is not None
+                self._committed[entry.step] = _Committed(entry.path, entry.record)
+            else:
                 logger.warning(
-                    "safeckpt: ignoring %s: it has no committed record; it is neither loaded "
-                    "nor pruned. Delete it if it is not yours.",
-                    path,
+                    "safeckpt: ignoring %s: %s. It is neither loaded nor pruned; delete it if it "
+                    "is not yours.",
+                    entry.path,
+                    entry.problem,
                 )
-                continue
-            self._committed[step] = _Committed(path, record)
-        name = read_pointer(self._layout.latest_path)
-        latest = parse_step_dirname(name) if name else None
-        self._latest = latest if latest in self._committed else None
+        self._latest = catalog.latest_step
         self._deleter = Deleter(self._layout, self._lock, self._ops, retry_interval=retry_interval)
         self._deleter.start()
         self._deleter.schedule()
@@ -259,7 +259,17 @@ class CheckpointManager:
             check_json_value(dict(extra or {}), "extra")
             if self._parts.is_leader:
                 self._check_order(step, overwrite)
-            captured = capture(state, rng=self.save_rng)
+            try:
+                captured = capture(state, rng=self.save_rng)
+            except CheckpointError:
+                raise
+            except Exception as e:  # a state_dict() that raised
+                raise SaveFailedError(
+                    f"save(step={step}): reading the state failed ({type(e).__name__}: {e}); nothing "
+                    "was written and earlier checkpoints are untouched.",
+                    step=step,
+                    cause=e,
+                ) from e
             job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
             if self._pool is not None:
                 job.slot = self._pool.acquire()
@@ -498,7 +508,12 @@ class CheckpointManager:
         parts = self._parts
         if parts.is_leader:
             self._discard_staging(job.staging_dir)
-        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failed.items()))
+        detail = "; ".join(f"rank {r}: {_describe(e)}" for r, e in sorted(failed.items()))
+        try:
+            free = shutil.disk_usage(self.root).free
+            detail += f" (free space where the root is: {_human(free)})"
+        except OSError:
+            pass
         with self._view_lock:
             latest = self._latest
         where = "" if not parts.distributed else f" on rank(s) {sorted(failed)}"
@@ -510,7 +525,7 @@ class CheckpointManager:
             step=job.step,
             path=str(self._layout.step_dir(job.step)),
             cause=own or failed[min(failed)],
-            failures={r: f"{type(e).__name__}: {e}" for r, e in failed.items()},
+            failures={r: _describe(e) for r, e in failed.items()},
         )
         error.__cause__ = own or failed[min(failed)]
         with self._view_lock:
@@ -871,6 +886,25 @@ def _verify(directory: Path) -> Record:
         )
     dcp_io.read_metadata(directory)
     return record
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException is unwrapped to each rank's cause."""
+    if isinstance(error, CheckpointException):
+        causes = []
+        for rank, failure in sorted(error.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"DCP rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(causes) or str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def _validate_step(step: Any) -> int:

@@ -79,7 +79,7 @@ class Record:
                 time=float(data["time"]),
                 files=files,
                 status=str(data["status"]),
-                metrics=dict(data.get("metrics") or {}),
+                metrics=_metrics(data.get("metrics") or {}),
                 extra=dict(data.get("extra") or {}),
                 world_size=_int(data.get("world_size", 1)),
                 pinned=bool(data.get("pinned", False)),
@@ -102,6 +102,16 @@ class Record:
     @property
     def size(self) -> int:
         return sum(self.files.values())
+
+
+def _metrics(value: Any) -> dict[str, float | None]:
+    # Retention compares these numbers: a hand-edited string here must not reach it.
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+        for k, v in value.items()
+    ):
+        raise TypeError("'metrics' must map names to numbers or null")
+    return dict(value)
 
 
 def _int(value: Any) -> int:
@@ -173,7 +183,7 @@ def missing_or_wrong_files(checkpoint_dir: Path, record: Record) -> list[str]:
     for rel, size in sorted(record.files.items()):
         try:
             actual = (checkpoint_dir / rel).stat().st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             problems.append(f"{rel} is missing")
             continue
         if actual != size:
@@ -185,15 +195,43 @@ def check_json_value(value: Any, what: str) -> None:
     """Raise :class:`InvalidSaveError` naming the first part of ``value`` JSON cannot hold."""
     try:
         json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
+        where = _first_non_json(value, what, set()) or what
         raise InvalidSaveError(
-            f"{what} must be JSON data (dict, list, str, int, float, bool, None): {e}. "
-            "Convert the value (e.g. tensor.item(), str(path)) before saving; nothing was written."
+            f"{what} must be JSON data (dict, list, str, int, float, bool, None), but {where} is "
+            f"not: {e}. Convert the value (e.g. tensor.item(), str(path)) before saving; nothing "
+            "was written."
         ) from e
+
+
+def _first_non_json(value: Any, path: str, seen: set[int]) -> str | None:
+    """Where in ``value`` the first part JSON cannot hold is (``extra['a'][0]``), or None."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+        return path  # not JSON, or a reference cycle
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = value.items()
+        for key in value:
+            if key is not None and not isinstance(key, (str, int, float, bool)):
+                return f"the key {key!r} of {path}"
+    else:
+        items = enumerate(value)
+    for key, item in items:
+        found = _first_non_json(item, f"{path}[{key!r}]", seen)
+        if found is not None:
+            return found
+    seen.discard(id(value))
+    return None
 
 
 def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
     """Metrics as plain floats; NaN becomes None (a missing value for ranking)."""
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise InvalidSaveError(
+            f"metrics must be a dict of name -> number, got {type(metrics).__name__}; nothing was written."
+        )
     cleaned: dict[str, float | None] = {}
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
@@ -210,6 +248,11 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
             raise InvalidSaveError(
                 f"metric {name!r} must be a number, got {type(value).__name__}; nothing was written."
             )
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError as e:  # an int beyond the float range
+            raise InvalidSaveError(
+                f"metric {name!r} is too large for a float ({e}); nothing was written."
+            ) from e
         cleaned[name] = None if math.isnan(value) else value
     return cleaned

@@ -1,0 +1,70 @@
+"""Argument types and the retention options shared by the ``safeckpt`` commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from .errors import ConfigError
+from .retention import Retention
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def add_retention_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("retention (a checkpoint is kept if any rule keeps it)")
+    group.add_argument("--keep-last", type=positive_int, metavar="N", help="keep the N newest checkpoints")
+    group.add_argument(
+        "--keep-best", type=positive_int, metavar="K", help="keep the K best checkpoints by --metric"
+    )
+    group.add_argument(
+        "--metric", metavar="NAME", help="the metric (saved with each checkpoint) that ranks them"
+    )
+    group.add_argument(
+        "--mode", choices=("min", "max"), default="min", help="min: lower --metric is better (default)"
+    )
+    group.add_argument(
+        "--keep-every",
+        type=positive_int,
+        metavar="N",
+        help="keep every checkpoint whose step is a multiple of N",
+    )
+
+
+def retention_from_args(args: argparse.Namespace) -> Retention | None:
+    """The :class:`Retention` the options ask for; None when no rule is given."""
+    if args.keep_best is not None and not args.metric:
+        raise ConfigError(
+            "--keep-best needs --metric NAME: the metric that ranks checkpoints (e.g. --metric loss)."
+        )
+    if args.metric and args.keep_best is None:
+        raise ConfigError(
+            f"--metric {args.metric} has no effect without --keep-best K; add it, or drop --metric."
+        )
+    if args.keep_last is None and args.keep_best is None and args.keep_every is None:
+        return None
+    return Retention(
+        keep_last=args.keep_last,
+        keep_best=args.keep_best,
+        metric=args.metric,
+        mode=args.mode,
+        keep_every=args.keep_every,
+    )

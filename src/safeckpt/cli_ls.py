@@ -1,0 +1,176 @@
+"""``safeckpt ls``: what a root holds, as a table or JSON. Read-only: reads records, takes no lock."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .catalog import Catalog, Entry, scan, verify_files
+from .errors import CheckpointError, CheckpointNotFoundError
+from .maintenance import infos, protected_steps
+from .record import list_files
+from .retention import Retention, explain
+
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+
+
+def existing_root(root: str | os.PathLike[str]) -> Path:
+    """``root`` as an absolute path; raises unless it is an existing directory."""
+    path = Path(root).absolute()
+    if not path.exists():
+        raise CheckpointNotFoundError(
+            f"{root} does not exist. Pass the checkpoint root of a run (the directory given to "
+            "CheckpointManager, or the --dir of `safeckpt demo`).",
+            path=str(path),
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass a checkpoint root.", path=str(path))
+    return path
+
+
+def listing(root: str | os.PathLike[str], retention: Retention | None = None) -> dict[str, Any]:
+    """What ``root`` holds as JSON data: checkpoints (by step), ``latest``, leftovers.
+
+    Each checkpoint says why it is kept: ``latest`` (or the newest one, when
+    ``latest`` is missing or broken), ``pinned``, and with ``retention`` the
+    rules that keep it; an empty list means the next prune with ``retention``
+    removes it.
+    """
+    path = existing_root(root)
+    catalog = scan(path)
+    protected = {step: _protected_reason(catalog, step) for step in protected_steps(catalog)}
+    reasons = explain(infos(catalog), retention, protected) if retention is not None else {}
+    checkpoints = []
+    for entry in catalog.entries:
+        problems = verify_files(entry)
+        record = entry.record
+        if not problems and record is not None:
+            kept = reasons.get(entry.step) if retention is not None else None
+            if kept is None:
+                kept = [protected[entry.step]] if entry.step in protected else []
+                kept += ["pinned"] if record.pinned else []
+        else:
+            kept = []
+        checkpoints.append(
+            {
+                "step": entry.step,
+                "path": str(entry.path),
+                "status": COMMITTED if not problems else INCOMPLETE,
+                "problems": problems,
+                "time": record.time if record else None,
+                "time_iso": _local_iso(record.time) if record else None,
+                "size": record.size if record and not problems else _disk_size(entry),
+                "metrics": dict(record.metrics) if record else {},
+                "pinned": bool(record and record.pinned),
+                "latest": entry.step == catalog.latest_step,
+                "kept_because": kept,
+            }
+        )
+    return {
+        "root": str(path),
+        "latest": catalog.latest_step,
+        "latest_name": catalog.latest_name,
+        "retention": None if retention is None else retention.policy().reason(),
+        "checkpoints": checkpoints,
+        "staging": [p.name for p in catalog.staging],
+        "trash": [p.name for p in catalog.trash],
+    }
+
+
+def _protected_reason(catalog: Catalog, step: int) -> str:
+    return "latest" if step == catalog.latest_step else "newest (`latest` is missing or broken)"
+
+
+def _local_iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def _disk_size(entry: Entry) -> int:
+    try:
+        return sum(list_files(entry.path).values())
+    except OSError:
+        return 0
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _metrics_text(metrics: dict[str, float | None]) -> str:
+    return " ".join(f"{k}={'nan' if v is None else f'{v:.4g}'}" for k, v in sorted(metrics.items()))
+
+
+def render(console: Console, data: dict[str, Any]) -> None:
+    """Print ``listing()``'s data as a table, with leftovers and a broken ``latest`` as footnotes."""
+    if not data["checkpoints"]:
+        console.print(f"no checkpoints in {data['root']}")
+    else:
+        title = f"checkpoints in {data['root']}"
+        if data["retention"]:
+            title += f" (kept by: {data['retention']})"
+        table = Table(title=title, title_justify="left")
+        table.add_column("step", justify="right", no_wrap=True)
+        table.add_column("time", no_wrap=True)
+        table.add_column("size", justify="right", no_wrap=True)
+        table.add_column("metrics", overflow="fold")
+        table.add_column("status", overflow="fold")
+        table.add_column("why kept", overflow="fold")
+        for c in data["checkpoints"]:
+            time = c["time_iso"][:19].replace("T", " ") if c["time_iso"] else "-"
+            if c["status"] == COMMITTED:
+                status = "committed"
+            else:
+                status = f"[red]incomplete: {'; '.join(c['problems'])}[/]"
+            if c["kept_because"]:
+                kept = ", ".join(c["kept_because"])
+            elif c["status"] != COMMITTED:
+                kept = "not loadable; never pruned"
+            elif data["retention"]:
+                kept = "[yellow]nothing: the next prune removes it[/]"
+            else:
+                kept = ""
+            table.add_row(
+                str(c["step"]), time, human_size(c["size"]), _metrics_text(c["metrics"]), status, kept
+            )
+        console.print(table)
+    for note in footnotes(data):
+        console.print(f"[dim]{note}[/]")
+
+
+def footnotes(data: dict[str, Any]) -> list[str]:
+    notes = []
+    if data["latest"] is None and data["latest_name"] is not None:
+        notes.append(
+            f"`latest` names {data['latest_name']}, which is not a committed checkpoint; "
+            "auto-resume falls back to the newest complete one."
+        )
+    elif data["latest"] is None and any(c["status"] == COMMITTED for c in data["checkpoints"]):
+        notes.append("`latest` is missing; auto-resume falls back to the newest complete checkpoint.")
+    if data["staging"]:
+        notes.append(
+            f"{len(data['staging'])} entr{'y' if len(data['staging']) == 1 else 'ies'} in .staging/: saves "
+            "in progress, or left by an interrupted run (the next CheckpointManager on this root collects "
+            "them): " + ", ".join(data["staging"])
+        )
+    if data["trash"]:
+        notes.append(
+            f"{len(data['trash'])} entr{'y' if len(data['trash']) == 1 else 'ies'} in .trash/: removed "
+            "checkpoints waiting for deletion (the next prune or manager start retries): "
+            + ", ".join(data["trash"])
+        )
+    return notes
+
+
+def print_listing(console: Console, root: str | os.PathLike[str], retention: Retention | None) -> None:
+    render(console, listing(root, retention))

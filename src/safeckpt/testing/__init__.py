@@ -1,0 +1,22 @@
+"""Test helpers for filesystems with NFS semantics (needs FUSE and ``mfusepy`` to mount).
+
+Not imported by ``import safeckpt``; ``mfusepy`` is imported only by the
+filesystem process itself.
+"""
+
+from .holder import FileHolder, Hold, hold_open
+from .nfs import NFSMount, NFSMountError, fuse_unavailable_reason, is_mounted, mount_nfs
+from .nfsfs import Linger, NFSConfig
+
+__all__ = [
+    "FileHolder",
+    "Hold",
+    "Linger",
+    "NFSConfig",
+    "NFSMount",
+    "NFSMountError",
+    "fuse_unavailable_reason",
+    "hold_open",
+    "is_mounted",
+    "mount_nfs",
+]
