@@ -7,7 +7,6 @@ committed, and the next start must collect what the kill left behind.
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import signal
 from pathlib import Path
@@ -17,23 +16,13 @@ import pytest
 import torch
 
 import crash_worker
+from forkserver import context
 from safeckpt import CheckpointManager
 from safeckpt.maintenance import verify
 
 STEPS = 5
 SMALL = 1_000
 LARGE = 4_000_000  # 16 MB: DCP writes take long enough to be hit by a timed kill
-
-_context: Any = None
-
-
-def context() -> Any:
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "safeckpt", "crash_worker"])
-    return _context
-
 
 def run_worker(root: Path, log: Path, **kwargs: Any) -> int | None:
     proc = context().Process(target=crash_worker.train, args=(str(root), str(log)), kwargs=kwargs)

@@ -51,6 +51,7 @@ from .errors import (
     IncompleteCheckpointError,
     InvalidSaveError,
     ManagerClosedError,
+    RankAgreementError,
     SaveFailedError,
     UnsupportedStateError,
 )
@@ -180,7 +181,7 @@ class CheckpointManager:
         self._committed: dict[int, _Committed] = {}
         self._latest: int | None = None
         self._jobs: list[SaveJob] = []  # queued and writing, in submission order
-        self._failures: dict[int, SaveFailedError] = {}  # seq -> error not yet raised
+        self._failures: dict[int, CheckpointError] = {}  # seq -> error not yet raised
         self._reported: set[int] = set()
         self._seq = 0
 
@@ -296,11 +297,7 @@ class CheckpointManager:
             self._plan_cancellations()
         else:
             self._persist(job)
-            if job.error is not None:
-                with self._view_lock:
-                    self._failures.pop(job.seq, None)
-                    self._reported.add(job.seq)
-                raise job.error
+            self._conclude(None, what=f"save of step {step}", step=step)
 
     def wait(self) -> None:
         """Block until every queued save is committed (or failed); raise a failure once."""
@@ -452,13 +449,39 @@ class CheckpointManager:
                     logger.info("safeckpt: cancelling queued save of step %d (out of retention)", job.step)
 
     def _persist(self, job: SaveJob) -> None:
-        """Write, agree, commit and prune one save. Runs on the writer thread (or inline)."""
+        """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
+
+        Never raises: a failure is recorded for the next save/wait/flush/close.
+        """
+        try:
+            self._write_and_commit(job)
+        except RankAgreementError as e:  # a rank died or stopped answering mid-save
+            job.release_staging(self._pool)
+            if job.committed_here:
+                # Every rank had reported its shards durable and rank 0 committed: the
+                # checkpoint is whole. The lost rank is still news for every caller.
+                with self._view_lock:
+                    job.status = COMMITTED
+                    self._remove_job(job)
+                    self._failures[job.seq] = e
+                logger.error("safeckpt: %s", e)
+            else:
+                if self._parts.is_leader:
+                    self._discard_staging(job.staging_dir)
+                with self._view_lock:
+                    job.status, job.error = FAILED, e
+                    self._remove_job(job)
+                    if job.seq not in self._reported:
+                        self._failures[job.seq] = e
+                logger.error("safeckpt: step %d was not committed: %s", job.step, e)
+
+    def _write_and_commit(self, job: SaveJob) -> None:
         parts = self._parts
         cancel = parts.broadcast(job.cancel_requested, parts.writer, what=f"cancelling step {job.step}")
         with self._view_lock:
             if cancel:
                 job.status = CANCELLED
-                self._jobs.remove(job)
+                self._remove_job(job)
             else:
                 job.status = WRITING
         if cancel:
@@ -493,7 +516,7 @@ class CheckpointManager:
             return
         with self._view_lock:
             job.status = COMMITTED
-            self._jobs.remove(job)
+            self._remove_job(job)
         logger.info(
             "safeckpt: committed step %d in %.2f s (write %.2f s)",
             job.step,
@@ -517,11 +540,14 @@ class CheckpointManager:
         with self._view_lock:
             latest = self._latest
         where = "" if not parts.distributed else f" on rank(s) {sorted(failed)}"
+        if not parts.is_leader:
+            pointer = "`latest` is unchanged"
+        else:
+            pointer = f"`latest` still names {'step ' + str(latest) if latest is not None else 'nothing'}"
         error = SaveFailedError(
             f"the save of step {job.step} failed{where}: {detail}. Nothing of it was committed; "
-            f"`latest` still names {'step ' + str(latest) if latest is not None else 'nothing'} "
-            "and earlier checkpoints are untouched. Fix the cause (disk space, permissions, the "
-            "state) and save again.",
+            f"{pointer} and earlier checkpoints are untouched. Fix the cause (disk space, "
+            "permissions, the state) and save again.",
             step=job.step,
             path=str(self._layout.step_dir(job.step)),
             cause=own or failed[min(failed)],
@@ -531,10 +557,15 @@ class CheckpointManager:
         with self._view_lock:
             job.status = FAILED
             job.error = error
-            self._jobs.remove(job)
+            self._remove_job(job)
             if job.seq not in self._reported:
                 self._failures[job.seq] = error
         logger.error("safeckpt: %s", error)
+
+    def _remove_job(self, job: SaveJob) -> None:
+        """Drop ``job`` from the in-flight list (caller holds the view lock)."""
+        if job in self._jobs:
+            self._jobs.remove(job)
 
     def _discard_staging(self, staging_dir: Path) -> None:
         try:
@@ -573,6 +604,7 @@ class CheckpointManager:
             with self._view_lock:
                 self._committed[job.step] = _Committed(target, record)
                 self._latest = job.step
+            job.committed_here = True
         if replaced and self._deleter is not None:
             self._deleter.schedule()
 

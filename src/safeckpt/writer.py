@@ -177,6 +177,7 @@ class SaveJob:
     slot: StagingSlot | None = None
     status: str = QUEUED
     cancel_requested: bool = False
+    committed_here: bool = False  # rank 0 committed it (set by the commit itself)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)

@@ -1,0 +1,192 @@
+"""One rank of a multi-process scenario (used by test_distributed.py).
+
+Each scenario runs on every rank of a real gloo group and writes what this
+rank saw (its result, or the error it raised) to ``<results>/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from safeckpt import CheckpointManager, Retention
+from safeckpt.fileops import FileOps
+
+
+class RankFaults(FileOps):
+    """Fails (or kills this process at) the train-state write of one step."""
+
+    def __init__(self, step: int, *, kill: bool = False) -> None:
+        self.step, self.kill = step, kill
+
+    def write_file(self, path: Path, data: bytes) -> None:
+        if path.name.startswith("train_state") and path.parent.name.startswith(f"step_{self.step}."):
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+        super().write_file(path, data)
+
+
+def build(world_size: int, seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": optim, "step_count": 0}
+
+
+def train(state: dict[str, Any], rank: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(4, 16, generator=gen)
+        loss = state["model"](x).pow(2).mean()
+        state["optim"].zero_grad()
+        loss.backward()
+        state["optim"].step()
+        state["step_count"] += 1
+
+
+def full_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Unsharded model weights and Adam moments (collective when sharded)."""
+    out = {}
+    for name, value in state["model"].state_dict().items():
+        out[f"model.{name}"] = value.full_tensor() if hasattr(value, "full_tensor") else value.detach()
+    for i, (param, slot) in enumerate(state["optim"].state.items()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = slot[key]
+            out[f"optim.{i}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+        del param
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+# --- scenarios: each returns JSON data, or raises --------------------------------------
+
+
+def save_sharded(rank: int, ws: int, root: Path, results: Path, async_save: bool) -> dict[str, Any]:
+    state = build(ws)
+    train(state, rank, 3)
+    with CheckpointManager(root, async_save=async_save, timeout=60) as mgr:
+        mgr.save(3, state, metrics={"loss": 1.0})
+        mgr.wait()
+        latest = mgr.latest_step
+    weights = full_weights(state)
+    if rank == 0:
+        save_file(weights, str(results / "expected.safetensors"))
+    return {"latest": latest}
+
+
+def restore_sharded(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
+    state = build(ws, seed=7)
+    with CheckpointManager(root, timeout=60) as mgr:
+        step = mgr.restore(state)
+    weights = full_weights(state)
+    mismatched = None
+    if (results / "expected.safetensors").exists():
+        expected = load_file(str(results / "expected.safetensors"))
+        mismatched = sorted(k for k in expected if not torch.equal(expected[k], weights[k]))
+    train(state, rank, 1)  # and training goes on from the restored state
+    return {"step": step, "mismatched": mismatched, "count": state["step_count"]}
+
+
+def async_retention(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
+    state = build(ws)
+    with CheckpointManager(root, retention=Retention(keep_last=2), queue_depth=2, timeout=60) as mgr:
+        for step in range(1, 7):
+            train(state, rank, 1)
+            mgr.save(step, state, metrics={"loss": 1.0 / step})
+        mgr.wait()
+        latest = mgr.latest_step
+    return {"latest": latest, "dirs": sorted(p.name for p in root.glob("step_*"))}
+
+
+def one_rank_fails(rank: int, ws: int, root: Path, results: Path, async_save: bool) -> dict[str, Any]:
+    state = build(ws)
+    ops = RankFaults(step=2) if rank == 1 else FileOps()
+    out: dict[str, Any] = {}
+    with CheckpointManager(root, async_save=async_save, file_ops=ops, timeout=60) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        try:
+            mgr.save(2, state)
+            mgr.wait()
+        except Exception as e:
+            out["error"] = _describe(e)
+        out["latest"] = mgr.latest_step
+        fresh = build(ws, seed=5)
+        out["restored"] = mgr.restore(fresh)
+        mgr.save(3, state)  # later saves work again
+        mgr.wait()
+    out["dirs"] = sorted(p.name for p in root.glob("step_*"))
+    return out
+
+
+def one_rank_killed(rank: int, ws: int, root: Path, results: Path, timeout: float) -> dict[str, Any]:
+    state = build(ws)
+    ops = RankFaults(step=2, kill=True) if rank == 1 else FileOps()
+    mgr = CheckpointManager(root, file_ops=ops, timeout=timeout)
+    mgr.save(1, state)
+    mgr.wait()
+    started = time.monotonic()
+    try:
+        mgr.save(2, state)
+        mgr.wait()
+        return {"error": None}
+    except Exception as e:
+        return {"error": _describe(e), "seconds": time.monotonic() - started}
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    f.__name__: f for f in (save_sharded, restore_sharded, async_retention, one_rank_fails, one_rank_killed)
+}
+
+
+def _describe(error: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "failures": {str(k): v for k, v in getattr(error, "failures", {}).items()},
+    }
+
+
+def main(
+    scenario: str, rank: int, ws: int, port: int, root: str, results: str, kwargs: dict[str, Any]
+) -> None:
+    """Entry point of one spawned rank."""
+    torch.set_num_threads(1)
+    out_path = Path(results) / f"rank{rank}.json"
+    try:
+        if ws > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=60))
+        result = SCENARIOS[scenario](rank, ws, Path(root), Path(results), **kwargs)
+        out_path.write_text(json.dumps({"ok": True, "result": result}))
+    except BaseException as e:
+        out_path.write_text(
+            json.dumps({"ok": False, "error": _describe(e), "traceback": traceback.format_exc()})
+        )
+        raise
+    finally:
+        if ws > 1 and dist.is_initialized() and scenario != "one_rank_killed":
+            dist.destroy_process_group()
+    if scenario == "one_rank_killed":
+        os._exit(0)  # the gloo group is broken; do not wait on it at exit
