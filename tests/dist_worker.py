@@ -27,16 +27,19 @@ from safeckpt.fileops import FileOps
 
 
 class RankFaults(FileOps):
-    """Fails (or kills this process at) the train-state write of one step."""
+    """Fails, hangs at, or kills this process at the train-state write of one step."""
 
-    def __init__(self, step: int, *, kill: bool = False) -> None:
-        self.step, self.kill = step, kill
+    def __init__(self, step: int, *, kill: bool = False, hang: float = 0.0) -> None:
+        self.step, self.kill, self.hang = step, kill, hang
 
     def write_file(self, path: Path, data: bytes) -> None:
         if path.name.startswith("train_state") and path.parent.name.startswith(f"step_{self.step}."):
             if self.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+            if self.hang:
+                time.sleep(self.hang)  # alive but not answering, like a stuck NFS client
+            else:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
         super().write_file(path, data)
 
 
@@ -155,8 +158,40 @@ def one_rank_killed(rank: int, ws: int, root: Path, results: Path, timeout: floa
         return {"error": _describe(e), "seconds": time.monotonic() - started}
 
 
+def one_rank_hangs(rank: int, ws: int, root: Path, results: Path, timeout: float) -> dict[str, Any]:
+    state = build(ws)
+    ops = RankFaults(step=2, hang=timeout * 3) if rank == 1 else FileOps()
+    mgr = CheckpointManager(root, file_ops=ops, timeout=timeout)
+    mgr.save(1, state)
+    mgr.wait()
+    started = time.monotonic()
+    try:
+        mgr.save(2, state)
+        mgr.wait()
+        return {"error": None}
+    except Exception as e:
+        return {"error": _describe(e), "seconds": time.monotonic() - started}
+
+
+def stale_view_restore(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
+    """Rank 1 looks at a stale copy of the root (its `latest` names step 1); rank 0 decides."""
+    state = build(ws, seed=3)
+    view = root if rank == 0 else results / "stale-copy"
+    with CheckpointManager(view, timeout=60) as mgr:
+        return {"step": mgr.restore(state)}
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
-    f.__name__: f for f in (save_sharded, restore_sharded, async_retention, one_rank_fails, one_rank_killed)
+    f.__name__: f
+    for f in (
+        save_sharded,
+        restore_sharded,
+        async_retention,
+        one_rank_fails,
+        one_rank_killed,
+        one_rank_hangs,
+        stale_view_restore,
+    )
 }
 
 
@@ -186,7 +221,7 @@ def main(
         )
         raise
     finally:
-        if ws > 1 and dist.is_initialized() and scenario != "one_rank_killed":
+        if ws > 1 and dist.is_initialized() and scenario not in ("one_rank_killed", "one_rank_hangs"):
             dist.destroy_process_group()
-    if scenario == "one_rank_killed":
+    if scenario in ("one_rank_killed", "one_rank_hangs"):
         os._exit(0)  # the gloo group is broken; do not wait on it at exit

@@ -4,6 +4,8 @@ surviving a failing or dying rank, and resharding on resume."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -113,3 +115,25 @@ def test_a_rank_killed_mid_save_makes_the_others_raise_and_a_relaunch_resumes(tm
     restored = launch("restore_sharded", 2, root, results)
     assert [r["result"]["step"] for r in restored if r["ok"]] == [1, 1]
     assert not list((root / ".staging").iterdir())
+
+
+def test_a_rank_that_stops_answering_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
+    root, results = tmp_path / "ckpt", tmp_path / "results"
+    reports = launch("one_rank_hangs", 2, root, results, timeout=5.0)
+    survivor = results_of(reports[:1])[0]
+    assert survivor["error"] is not None and survivor["error"]["type"] == "RankAgreementError"
+    assert "stopped answering within 5 s" in survivor["error"]["message"]
+    assert 4.0 < survivor["seconds"] < 60, "it waited for the timeout, then raised"
+    assert os.readlink(root / "latest") == "step_1"
+
+
+def test_resume_decision_is_rank_0s(tmp_path: Path) -> None:
+    root, results = tmp_path / "ckpt", tmp_path / "results"
+    results_of(launch("save_sharded", 2, root, results, async_save=False))
+    stale = results / "stale-copy"
+    shutil.copytree(root, stale, symlinks=True)
+    (stale / "step_3").rename(stale / "step_1")  # rank 1's view: only an older step 1
+    (stale / "latest").unlink()
+    (stale / "latest").symlink_to("step_1")
+    out = results_of(launch("stale_view_restore", 2, root, results))
+    assert out == [{"step": 3}, {"step": 3}]
