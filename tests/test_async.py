@@ -357,3 +357,20 @@ def test_async_topk_race_is_closed(root: Path) -> None:
 @pytest.mark.parametrize("attempt", range(20))
 def test_async_topk_race_is_closed_repeatedly(tmp_path: Path, attempt: int) -> None:
     race(tmp_path / f"ckpt{attempt}", iterations=300)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_staging_memory_is_one_copy_per_slot_not_per_save(root: Path, depth: int) -> None:
+    state = {"w": torch.ones(1 << 20), "b": torch.ones(1000, dtype=torch.float64)}
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    with CheckpointManager(root, queue_depth=depth) as mgr:
+        pool = mgr._pool  # type: ignore[union-attr]
+        for step in range(1, 9):
+            mgr.save(step, state)
+            assert pool.nbytes <= depth * state_bytes
+        mgr.wait()
+        assert sum(slot.allocations for slot in pool.slots) <= depth * len(state)
+    sync_root = root.parent / "sync"
+    with CheckpointManager(sync_root, async_save=False) as mgr:
+        assert mgr._pool is None  # sync saves write straight from the live tensors
+        mgr.save(1, state)
