@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -374,3 +375,26 @@ def test_staging_memory_is_one_copy_per_slot_not_per_save(root: Path, depth: int
     with CheckpointManager(sync_root, async_save=False) as mgr:
         assert mgr._pool is None  # sync saves write straight from the live tensors
         mgr.save(1, state)
+
+
+def test_exit_without_close_still_commits_queued_saves(root: Path) -> None:
+    script = f"""
+import torch, time
+from pathlib import Path
+from safeckpt import CheckpointManager
+from safeckpt.fileops import FileOps
+
+class Slow(FileOps):
+    def write_file(self, path, data):
+        if path.name.startswith("train_state"):
+            time.sleep(0.5)
+        super().write_file(path, data)
+
+mgr = CheckpointManager({str(root)!r}, file_ops=Slow())
+mgr.save(1, {{"w": torch.ones(10)}})
+# no close(): the interpreter exits while the write is still pending
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "without close()" in done.stderr
+    assert os.readlink(root / "latest") == "step_1"
