@@ -346,6 +346,19 @@ def test_pin_set_by_another_process_is_respected(root: Path) -> None:
     assert (root / "step_1").is_dir()
 
 
+def test_unpin_by_another_process_is_respected(root: Path) -> None:
+    from safeckpt.maintenance import set_pinned
+
+    state = make_state()
+    with CheckpointManager(root, async_save=False, retention=Retention(keep_last=1)) as mgr:
+        mgr.save(1, state)
+        mgr.pin(1)
+        mgr.save(2, state)
+        set_pinned(root, 1, False)
+        mgr.save(3, state)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_3"]
+
+
 class _Boom:
     def register(self, step: int, path: Path, record: Any) -> dict[str, Any]:
         raise RuntimeError("registry is down")

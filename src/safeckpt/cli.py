@@ -261,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # the reader went away (`safeckpt ls ROOT | head`): not an error worth a line; keep
+        # Python from complaining again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     except BaseException as e:
         match = next(((code, hint) for kind, code, hint in _ERRORS if isinstance(e, kind)), None)
         if match is None:

@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,20 +177,30 @@ class _ShortFormatter(logging.Formatter):
         return record.getMessage().removeprefix("safeckpt: ")
 
 
-def _show_library_logs(console: Console) -> logging.Handler:
+def _show_library_logs(console: Console) -> contextlib.AbstractContextManager[None]:
     """Show the manager's INFO lines (committed, pruned, cancelled) above the progress bar.
 
-    The library never configures handlers; the demo is an application, so it does.
+    The library never configures handlers; the demo is an application, so it does,
+    and puts the logger back as it was when it ends.
     """
-    handler = RichHandler(
-        console=console, show_time=False, show_path=False, markup=False, highlighter=None, keywords=[]
-    )
-    handler.setFormatter(_ShortFormatter())
     logger = logging.getLogger("safeckpt")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    return handler
+    handler = RichHandler(console=console, show_time=False, show_path=False, markup=False)
+    handler.setFormatter(_ShortFormatter())
+
+    @contextlib.contextmanager
+    def attached() -> Iterator[None]:
+        level, propagate = logger.level, logger.propagate
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+    return attached()
 
 
 def _init_distributed() -> tuple[int, int]:
@@ -219,52 +229,54 @@ def _die(console: Console, progress: Progress, step: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, checkpoint, maybe die; print ``resumed from step N`` and ``final weights sha256``."""
-    from . import CheckpointManager, Retention
-    from .cli_ls import print_listing
-
     _configure_torch()
     rank, world_size = _init_distributed()
     console = Console(quiet=rank != 0, highlight=False, soft_wrap=True)
-    handler = _show_library_logs(console) if rank == 0 else None
     try:
-        torch.manual_seed(args.seed)  # same initial weights on every rank
-        model = build_model()
-        optim = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
-        data = SyntheticData(seed=args.seed, rank=rank, world_size=world_size)
-        torch.manual_seed(args.seed * 7919 + rank)  # dropout: each rank its own stream
-        state: dict[str, Any] = {"model": model, "optim": optim, "sched": sched, "data": data}
-        retention = Retention(
-            keep_last=args.keep_last,
-            keep_best=args.keep_best or None,
-            metric=METRIC if args.keep_best else None,
-        )
-        root = Path(args.dir)
-        console.print(
-            f"safeckpt demo: {args.steps} steps, a save every {args.save_every}, "
-            f"keeping the last {args.keep_last}"
-            + (f" and the best {args.keep_best} by {METRIC}" if args.keep_best else "")
-            + f", in {root}"
-            + (f" ({world_size} ranks)" if world_size > 1 else "")
-        )
-        with CheckpointManager(root, async_save=True, retention=retention) as mgr:
-            start = mgr.restore(state)
-            if start and rank == 0:
-                print(f"resumed from step {start}", flush=True)
-            _train(mgr, state, start, args, console, world_size)
-        if rank == 0:
-            print_listing(console, root, retention)
-            digest = weights_sha256(model.state_dict())
-            if args.weights_out:
-                path = _write_weights(model, args.weights_out, digest, args.steps)
-                console.print(f"final weights written to {path}")
-            print(f"final weights sha256: {digest}", flush=True)
+        with _show_library_logs(console) if rank == 0 else contextlib.nullcontext():
+            _run(args, console, rank, world_size)
     finally:
-        if handler is not None:
-            logging.getLogger("safeckpt").removeHandler(handler)
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int) -> None:
+    from . import CheckpointManager, Retention
+    from .cli_ls import print_listing
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = build_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
+    data = SyntheticData(seed=args.seed, rank=rank, world_size=world_size)
+    torch.manual_seed(args.seed * 7919 + rank)  # dropout: each rank its own stream
+    state: dict[str, Any] = {"model": model, "optim": optim, "sched": sched, "data": data}
+    retention = Retention(
+        keep_last=args.keep_last,
+        keep_best=args.keep_best or None,
+        metric=METRIC if args.keep_best else None,
+    )
+    root = Path(args.dir)
+    console.print(
+        f"safeckpt demo: {args.steps} steps, a save every {args.save_every}, "
+        f"keeping the last {args.keep_last}"
+        + (f" and the best {args.keep_best} by {METRIC}" if args.keep_best else "")
+        + f", in {root}"
+        + (f" ({world_size} ranks)" if world_size > 1 else "")
+    )
+    with CheckpointManager(root, async_save=True, retention=retention) as mgr:
+        start = mgr.restore(state)
+        if start and rank == 0:
+            print(f"resumed from step {start}", flush=True)
+        _train(mgr, state, start, args, console, world_size)
+    if rank == 0:
+        print_listing(console, root, retention)
+        digest = weights_sha256(model.state_dict())
+        if args.weights_out:
+            path = _write_weights(model, args.weights_out, digest, args.steps)
+            console.print(f"final weights written to {path}")
+        print(f"final weights sha256: {digest}", flush=True)
 
 
 def _train(

@@ -643,6 +643,7 @@ class CheckpointManager:
         (the pin is re-read from the record, as a ``safeckpt pin`` may have set it).
         """
         assert self._lock is not None
+        self._refresh_pins()
         with self._view_lock:
             infos = [c.info() for c in self._committed.values()]
             protected = {j.step for j in self._jobs}
@@ -660,6 +661,20 @@ class CheckpointManager:
             logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
             assert self._deleter is not None
             self._deleter.schedule()
+
+    def _refresh_pins(self) -> None:
+        """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""
+        with self._view_lock:
+            pinned = [(s, c.path) for s, c in self._committed.items() if c.record.pinned]
+        for step, path in pinned:
+            try:
+                record = read_record(path)
+            except IncompleteCheckpointError:
+                continue
+            if record is not None and not record.pinned:
+                with self._view_lock:
+                    if step in self._committed:
+                        self._committed[step] = _Committed(path, record)
 
     def _trash_one(self, step: int) -> bool:
         assert self._lock is not None

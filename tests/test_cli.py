@@ -1,0 +1,298 @@
+"""The ``safeckpt`` command: ls, verify, prune, pin/unpin and its errors.
+
+Most tests call ``main(argv)`` in this process; the error-path tests run the
+real command in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from safeckpt import CheckpointManager, read_record
+from safeckpt.atomic import swap_pointer
+from safeckpt.cli import main
+from safeckpt.fileops import DEFAULT_FILE_OPS
+
+LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A root with committed steps 10..60 (``latest`` = 60), every one kept."""
+    monkeypatch.setenv("COLUMNS", "250")  # no wrapping in the tables the tests read
+    monkeypatch.delenv("SAFECKPT_DEBUG", raising=False)
+    root = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    state = {"model": nn.Linear(4, 2), "ema": torch.zeros(3)}
+    with CheckpointManager(root, async_save=False) as mgr:
+        for step, loss in LOSSES.items():
+            mgr.save(step, state, metrics={"loss": loss})
+    return root
+
+
+def tree(root: Path) -> list[tuple[str, int]]:
+    """Every path under ``root`` with its size (the record files included)."""
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size if p.is_file() else -1) for p in root.rglob("*")
+    )
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
+
+
+def ls_json(root: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> dict:
+    assert main(["ls", str(root), "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --- ls ------------------------------------------------------------------------------------------
+
+
+def test_ls_missing_root_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(tmp_path / "nope")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("safeckpt: error: ") and "does not exist" in captured.err
+
+
+def test_ls_empty_root_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(tmp_path)]) == 0
+    assert f"no checkpoints in {tmp_path}" in capsys.readouterr().out
+    assert ls_json(tmp_path, capsys=capsys)["checkpoints"] == []
+
+
+def test_ls_table(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    assert sorted(rows) == sorted(LOSSES)
+    assert "latest" in rows[60] and "committed" in rows[60]
+    assert all("latest" not in rows[s] for s in LOSSES if s != 60)
+    assert "loss=0.3" in rows[20]
+    assert "KiB" in rows[10] or " B " in rows[10]
+    time_iso = ls_json(ckpt, capsys=capsys)["checkpoints"][0]["time_iso"]
+    assert time_iso[:19].replace("T", " ") in rows[10]
+
+
+def test_ls_with_retention_explains_what_prune_would_remove(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss"]
+    assert main(["ls", str(ckpt), *args]) == 0
+    out = capsys.readouterr().out
+    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    assert "best 1 by loss" in rows[20]
+    assert "last 2" in rows[50] and "last 2" in rows[60] and "latest" in rows[60]
+    for step in (10, 30, 40):
+        assert "the next prune removes it" in rows[step]
+
+    kept = {c["step"]: c["kept_because"] for c in ls_json(ckpt, *args, capsys=capsys)["checkpoints"]}
+    assert kept == {
+        10: [],
+        20: ["best 1 by loss (min)"],
+        30: [],
+        40: [],
+        50: ["last 2"],
+        60: ["latest", "last 2"],
+    }
+
+
+def test_ls_json_and_leftovers(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    leftover = ckpt / ".staging" / "step_70.0123456789ab"
+    leftover.mkdir(parents=True)
+    (ckpt / "step_80").mkdir()  # a directory with no record: listed, never loaded
+    data = ls_json(ckpt, capsys=capsys)
+    assert data["latest"] == 60
+    assert data["staging"] == ["step_70.0123456789ab"]
+    by_step = {c["step"]: c for c in data["checkpoints"]}
+    assert sorted(by_step) == [*LOSSES, 80]
+    assert by_step[30]["size"] == read_record(ckpt / "step_30").size > 0
+    assert by_step[30]["metrics"] == {"loss": 0.4}
+    assert by_step[30]["status"] == "committed" and by_step[30]["problems"] == []
+    assert by_step[60]["kept_because"] == ["latest"] and by_step[60]["latest"]
+    assert by_step[80]["status"] == "incomplete" and by_step[80]["problems"]
+
+    assert main(["ls", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "1 entry in .staging/" in out and "step_70.0123456789ab" in out
+    assert "incomplete" in out
+    assert leftover.is_dir()  # ls never starts a manager, which would collect it
+
+
+def test_ls_notes_a_broken_latest(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swap_pointer(ckpt / "latest", "step_999", DEFAULT_FILE_OPS)
+    data = ls_json(ckpt, capsys=capsys)
+    assert data["latest"] is None and data["latest_name"] == "step_999"
+    assert next(c for c in data["checkpoints"] if c["step"] == 60)["kept_because"] == [
+        "newest (`latest` is missing or broken)"
+    ]
+    assert main(["ls", str(ckpt)]) == 0
+    assert "`latest` names step_999" in capsys.readouterr().out
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_passes_on_a_sound_root(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"step {s}: ok" in out for s in LOSSES)
+    assert "6 checked, 0 broken" in out
+
+
+def test_verify_detects_a_truncated_file(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    victim = max((p for p in (ckpt / "step_30").iterdir() if p.name != "metadata.json"), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    before = tree(ckpt)
+
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert f"step 30: BROKEN: {victim.name} has" in out
+    assert all(f"step {s}: ok" in out for s in LOSSES if s != 30)
+
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["checkpoints"]["30"] and not data["checkpoints"]["20"]
+
+    assert main(["verify", str(ckpt), "--step", "20"]) == 0
+    assert main(["verify", str(ckpt), "--step", "30"]) == 1
+    assert tree(ckpt) == before  # verify changes nothing
+
+
+def test_verify_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(ckpt), "--step", "15"]) == 1
+    assert "no checkpoint of step 15" in capsys.readouterr().err
+
+
+# --- prune ---------------------------------------------------------------------------------------
+
+
+def test_prune_dry_run_changes_nothing(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = tree(ckpt)
+    assert main(["prune", str(ckpt), "--keep-last", "2", "--dry-run"]) == 0
+    assert "would remove step(s) 10, 20, 30, 40; would keep 50, 60" in capsys.readouterr().out
+    assert tree(ckpt) == before
+
+
+def test_prune_removes_what_retention_drops(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--json"]
+    assert main(["prune", str(ckpt), *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["removed"] == [10, 30, 40] and result["kept"] == [20, 50, 60]
+    assert steps_on_disk(ckpt) == [20, 50, 60]
+    assert not list((ckpt / ".trash").iterdir())
+    assert main(["verify", str(ckpt)]) == 0
+
+
+def test_prune_never_removes_latest(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a run restarted from step 30 (restore(step=30)) points `latest` there
+    swap_pointer(ckpt / "latest", "step_30", DEFAULT_FILE_OPS)
+    assert main(["prune", str(ckpt), "--keep-last", "1"]) == 0
+    assert "removed step(s) 10, 20, 40, 50" in capsys.readouterr().out
+    assert steps_on_disk(ckpt) == [30, 60]
+    assert os.readlink(ckpt / "latest") == "step_30"
+
+
+def test_prune_leaves_saves_in_flight_alone(ckpt: Path) -> None:
+    in_flight = ckpt / ".staging" / "step_70.0123456789ab"
+    in_flight.mkdir(parents=True)
+    (in_flight / "part").write_bytes(b"x" * 10)
+    assert main(["prune", str(ckpt), "--keep-last", "1"]) == 0
+    assert (in_flight / "part").read_bytes() == b"x" * 10
+    assert steps_on_disk(ckpt) == [60]
+
+
+def test_prune_without_a_rule_is_a_usage_error(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = tree(ckpt)
+    assert main(["prune", str(ckpt)]) == 2
+    assert "prune needs a rule" in capsys.readouterr().err
+    assert tree(ckpt) == before
+
+
+# --- pin / unpin ---------------------------------------------------------------------------------
+
+
+def test_pin_survives_prune_and_unpin_releases(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pin", str(ckpt), "20"]) == 0
+    assert "pinned step 20" in capsys.readouterr().out
+    assert read_record(ckpt / "step_20").pinned
+    assert ls_json(ckpt, capsys=capsys)["checkpoints"][1]["kept_because"] == ["pinned"]
+
+    assert main(["prune", str(ckpt), "--keep-last", "1"]) == 0
+    assert steps_on_disk(ckpt) == [20, 60]
+
+    assert main(["unpin", str(ckpt), "20"]) == 0
+    assert not read_record(ckpt / "step_20").pinned
+    assert main(["prune", str(ckpt), "--keep-last", "1"]) == 0
+    assert steps_on_disk(ckpt) == [60]
+
+
+def test_pin_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pin", str(ckpt), "15"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint of step 15" in err
+
+
+# --- errors, as a user sees them -----------------------------------------------------------------
+
+
+def test_bad_argument_is_one_line_and_a_traceback_only_when_debugging(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["prune", str(ckpt), "--keep-best", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("safeckpt: error: --keep-best needs --metric")
+    assert "Traceback" not in err
+
+    # the real command, through the console script when it is installed
+    script = Path(sys.executable).parent / "safeckpt"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "safeckpt"]
+    proc = subprocess.run(
+        [*command, "prune", str(ckpt), "--keep-best", "2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SAFECKPT_DEBUG": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback (most recent call last)" in proc.stderr and "ConfigError" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("safeckpt: error: --keep-best needs --metric")
+    assert steps_on_disk(ckpt) == sorted(LOSSES)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["ls"], id="missing-root"),
+        pytest.param(["prune", "x", "--keep-last", "0"], id="zero"),
+        pytest.param(["pin", "x", "ten"], id="not-a-number"),
+        pytest.param(["frobnicate"], id="unknown-command"),
+    ],
+)
+def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err and "--help" in err, err
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "ls", "verify", "prune", "pin", "unpin"):
+        assert f"    {command} " in out
