@@ -53,10 +53,9 @@ from .errors import (
     ManagerClosedError,
     RankAgreementError,
     SaveFailedError,
-    UnsupportedStateError,
 )
 from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import PRUNED, REPLACED, Layout, parse_step_dirname, step_dirname
+from .layout import PRUNED, REPLACED, Layout, step_dirname
 from .lock import SidecarLock
 from .record import (
     Record,
@@ -64,21 +63,15 @@ from .record import (
     check_json_value,
     clean_metrics,
     list_files,
-    missing_or_wrong_files,
     read_record,
     write_record,
 )
 from .registry import Registrar
 from .removal import Deleter, collect_abandoned_staging, recover_interrupted_replacements
+from .restore import choose_checkpoint, load_checkpoint
 from .retention import CheckpointInfo, Retention, explain, plan_removals
 from .state import (
-    apply_targets,
-    apply_train_state,
     capture,
-    dcp_keys,
-    load_targets,
-    read_train_state,
-    restore_rng,
     train_state_filename,
 )
 from .writer import (
@@ -790,7 +783,8 @@ class CheckpointManager:
         error: BaseException | None = None
         if parts.is_leader:
             try:
-                choice = self._choose(step, path)
+                found = choose_checkpoint(self._layout, _validate_or_none(step), path)
+                choice = None if found is None else (str(found[0]), found[1].to_json())
             except Exception as e:
                 error = e
         choice, error = parts.broadcast(
@@ -805,95 +799,12 @@ class CheckpointManager:
         record = Record.from_json(record_json, path=str(directory))
         load_error: BaseException | None = None
         try:
-            self._load(state, directory, record, strict)
+            load_checkpoint(state, directory, record, parts, strict=strict, with_rng=self.save_rng)
         except _WRITE_ERRORS as e:
             load_error = e
         self._conclude(load_error, what=f"restore of step {record.step}", step=record.step)
         logger.info("safeckpt: restored step %d from %s", record.step, directory)
         return record.step
-
-    def _choose(
-        self, step: int | None, path: str | os.PathLike[str] | None
-    ) -> tuple[str, dict[str, Any]] | None:
-        """Rank 0: the directory and record to restore, or None for a fresh start."""
-        if path is not None and step is not None:
-            raise ConfigError("restore(): pass step= or path=, not both.")
-        if path is not None:
-            directory = Path(path).absolute()
-            return str(directory), _verify(directory).to_json()
-        if step is not None:
-            directory = self._layout.step_dir(_validate_step(step))
-            return str(directory), _verify(directory).to_json()
-        candidates: list[int] = sorted((s for s, _ in self._layout.committed_dirs()), reverse=True)
-        name = read_pointer(self._layout.latest_path)
-        latest = parse_step_dirname(name) if name else None
-        if latest is not None:
-            candidates = [latest] + [s for s in candidates if s != latest]
-        elif candidates:
-            logger.warning(
-                "safeckpt: %s has checkpoints but `latest` is %s; using the newest complete one",
-                self.root,
-                "missing" if name is None else f"unreadable ({name!r})",
-            )
-        for candidate in candidates:
-            directory = self._layout.step_dir(candidate)
-            try:
-                record = _verify(directory)
-            except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
-                logger.warning("safeckpt: skipping step %d: %s", candidate, e)
-                continue
-            if candidate != latest and latest is not None:
-                logger.warning(
-                    "safeckpt: `latest` names step %d, which is not loadable; falling back to "
-                    "step %d, the newest complete checkpoint",
-                    latest,
-                    candidate,
-                )
-            return str(directory), record.to_json()
-        return None
-
-    def _load(self, state: MutableMapping[str, Any], directory: Path, record: Record, strict: bool) -> None:
-        parts = self._parts
-        metadata = dcp_io.read_metadata(directory)
-        saved_keys = {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
-        rank_file = directory / train_state_filename(parts.rank)
-        own_file = rank_file.exists()
-        if not own_file:
-            rank_file = directory / train_state_filename(0)
-            logger.warning(
-                "safeckpt: step %d was saved by %d rank(s); rank %d loads rank 0's training "
-                "state (data loader, scheduler) and keeps its own RNG state",
-                record.step,
-                record.world_size,
-                parts.rank,
-            )
-        train = read_train_state(rank_file)
-        entries = train["entries"]
-        wanted = set(dcp_keys(state))
-        missing = sorted((wanted - saved_keys) | {k for k in state if k not in wanted and k not in entries})
-        if missing and strict:
-            raise UnsupportedStateError(
-                f"step {record.step} in {directory} has no entry for {missing}, which the state "
-                "passed to restore() has. Restore with strict=False to load what is there and "
-                "leave these as they are.",
-                step=record.step,
-                path=str(directory),
-            )
-        targets = load_targets(state, wanted & saved_keys)
-        if targets.dcp:
-            try:
-                dcp_io.load(targets.dcp, directory, parts.control)
-            except CheckpointException as e:
-                raise IncompleteCheckpointError(
-                    f"loading step {record.step} from {directory} failed: {e}. If the model or "
-                    "optimizer changed shape since the save, restore into the original ones.",
-                    step=record.step,
-                    path=str(directory),
-                ) from e
-            apply_targets(targets)
-        apply_train_state(state, entries)
-        if self.save_rng and own_file and train["rng"] is not None:
-            restore_rng(train["rng"])
 
     # --- exit ---------------------------------------------------------------------
 
@@ -906,33 +817,6 @@ class CheckpointManager:
             self.root,
         )
         self._writer.wait_idle(timeout=self._parts.timeout)
-
-
-def _verify(directory: Path) -> Record:
-    """The record of a committed, complete checkpoint at ``directory``; raises otherwise."""
-    if not directory.is_dir():
-        raise CheckpointNotFoundError(
-            f"there is no checkpoint at {directory}.",
-            path=str(directory),
-            step=parse_step_dirname(directory.name),
-        )
-    record = read_record(directory)
-    if record is None or not record.committed:
-        raise IncompleteCheckpointError(
-            f"{directory} is not a committed checkpoint (it has no committed record): it may be "
-            "a save that never finished. Restore another step.",
-            path=str(directory),
-        )
-    problems = missing_or_wrong_files(directory, record)
-    if problems:
-        raise IncompleteCheckpointError(
-            f"{directory} does not match its record: {'; '.join(problems[:5])}. The checkpoint "
-            "was damaged after it was written; restore another step.",
-            path=str(directory),
-            step=record.step,
-        )
-    dcp_io.read_metadata(directory)
-    return record
 
 
 def _describe(error: BaseException) -> str:
@@ -966,6 +850,10 @@ def _validate_step(step: Any) -> int:
     if value < 0:
         raise InvalidSaveError(f"step must be non-negative, got {value}.", step=value)
     return value
+
+
+def _validate_or_none(step: Any) -> int | None:
+    return None if step is None else _validate_step(step)
 
 
 def _int_or_none(step: Any) -> int | None:
