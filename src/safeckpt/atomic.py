@@ -81,8 +81,8 @@ def replace_dir(src: Path, dst: Path, displaced: Path, retired: Path, ops: FileO
     ``dst``. Where the filesystem lacks it (NFS, FUSE), the old copy is renamed
     to ``displaced`` first and to ``retired`` once the new copy is in place; a
     crash between the renames leaves it at ``displaced``, a name start-up
-    recovery knows to put back. Returns whether a ``dst`` existed. Fsyncs the
-    parents of ``dst`` and ``retired``.
+    recovery knows to put back, and a failed rename puts it back at once.
+    Returns whether a ``dst`` existed. Fsyncs the parents of ``dst`` and ``retired``.
     """
     if not os.path.lexists(dst):
         ops.replace(src, dst)
@@ -95,7 +95,13 @@ def replace_dir(src: Path, dst: Path, displaced: Path, retired: Path, ops: FileO
             raise
         ops.replace(dst, displaced)
         ops.fsync_dir(displaced.parent)
-        ops.replace(src, dst)
+        try:
+            ops.replace(src, dst)
+        except BaseException:
+            # Put the old copy back, so the step is not missing until the next start.
+            with contextlib.suppress(OSError):
+                ops.replace(displaced, dst)
+            raise
         ops.replace(displaced, retired)
     else:
         ops.replace(src, retired)  # src now holds the old copy

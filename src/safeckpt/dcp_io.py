@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
@@ -80,17 +81,24 @@ class RestrictedUnpickler(pickle.Unpickler):
 def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
     """``.metadata`` of ``checkpoint_dir``, through :class:`RestrictedUnpickler`."""
     path = checkpoint_dir / METADATA_NAME
-    with open(path, "rb") as f:
-        try:
-            metadata = RestrictedUnpickler(f, source=str(path)).load()  # type: ignore[arg-type]
-        except UnsafeCheckpointError:
-            raise
-        except Exception as e:  # a truncated or garbled pickle
-            raise IncompleteCheckpointError(
-                f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the checkpoint "
-                "is damaged. Restore another one.",
-                path=str(path),
-            ) from e
+    try:
+        raw = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise IncompleteCheckpointError(
+            f"{checkpoint_dir} has no {METADATA_NAME}: it is not a complete DCP checkpoint. Restore "
+            "another one.",
+            path=str(path),
+        ) from e
+    try:
+        metadata = RestrictedUnpickler(io.BytesIO(raw), source=str(path)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # a truncated or garbled pickle
+        raise IncompleteCheckpointError(
+            f"{path} is not readable DCP metadata ({type(e).__name__}: {e}); the checkpoint "
+            "is damaged. Restore another one.",
+            path=str(path),
+        ) from e
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise IncompleteCheckpointError(
             f"{path} holds a {type(metadata).__name__}, not DCP metadata; restore another checkpoint.",
@@ -144,10 +152,32 @@ def save(state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGrou
 
 
 def load(state_dict: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
-    """Load ``directory`` into ``state_dict`` in place, safely. Collective over ``group``."""
-    dcp.load(
-        state_dict,
-        storage_reader=SafeFileSystemReader(directory),
-        planner=SafeLoadPlanner(),
-        **_group_or_none(group),
-    )
+    """Load ``directory`` into ``state_dict`` in place, safely. Collective over ``group``.
+
+    Raises :class:`UnsafeCheckpointError` when the checkpoint asks to run code.
+    """
+    # Inside dcp.load a failed metadata read becomes the text of an AssertionError (after a
+    # fallback to per-rank metadata), so read it here first: its errors then keep their type.
+    read_metadata(directory)
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(directory),
+            planner=SafeLoadPlanner(),
+            **_group_or_none(group),
+        )
+    except CheckpointException as e:
+        # DCP wraps every rank's error in a CheckpointException (a BaseException); a refusal
+        # to run code must reach the caller as what it is.
+        unsafe = _unsafe_failure(e)
+        if unsafe is not None:
+            raise unsafe from e
+        raise
+
+
+def _unsafe_failure(error: CheckpointException) -> UnsafeCheckpointError | None:
+    for _rank, failure in sorted(error.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, UnsafeCheckpointError):
+            return exc
+    return None

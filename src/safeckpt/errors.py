@@ -7,6 +7,7 @@ pickle, so they cross process boundaries (spawned ranks, ``multiprocessing``).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +87,23 @@ class SaveFailedError(CheckpointError):
         super().__init__(message, path=path, step=step, rank=rank)
         self.cause = cause
         self.failures = dict(failures or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The cause can be anything a write raised (one holding a file or a lock): keep its text
+        # where it does not pickle, so this error still crosses to the other ranks whole.
+        fields = self.__dict__.copy()
+        fields["cause"] = _picklable(self.cause)
+        return (_rebuild, (type(self), self.message, fields))
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return CheckpointError(f"{type(error).__name__}: {error}")
+    return error
 
 
 class RankAgreementError(CheckpointError):

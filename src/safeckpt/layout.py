@@ -39,18 +39,18 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     """The step a committed directory name stands for, or None for any other name."""
-    match = _STEP_DIR.match(name)
+    match = _STEP_DIR.fullmatch(name)  # not .match: $ accepts a trailing newline
     return int(match.group(1)) if match else None
 
 
 def parse_trash_name(name: str) -> tuple[int, str] | None:
     """``(step, reason)`` of a trash entry, or None for a name safeckpt did not make."""
-    match = _TRASH_DIR.match(name)
+    match = _TRASH_DIR.fullmatch(name)
     return (int(match.group(1)), match.group(2)) if match else None
 
 
 def parse_staging_name(name: str) -> int | None:
-    match = _STAGING_DIR.match(name)
+    match = _STAGING_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

@@ -14,6 +14,7 @@ other hosts; a filesystem that supports neither makes ``acquire`` raise.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -50,7 +51,9 @@ class _RootLock:
 
 def _close_fds(box: list[int]) -> None:
     while box:
-        os.close(box.pop())
+        # Runs at collection or exit, when the mount (NFS, FUSE) may already be gone (ENOTCONN).
+        with contextlib.suppress(OSError):
+            os.close(box.pop())
 
 
 _registry: weakref.WeakValueDictionary[str, _RootLock] = weakref.WeakValueDictionary()

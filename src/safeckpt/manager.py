@@ -563,7 +563,9 @@ class CheckpointManager:
     def _discard_staging(self, staging_dir: Path) -> None:
         try:
             if staging_dir.exists():
-                self._ops.rmtree(staging_dir)
+                assert self._lock is not None
+                with self._lock:
+                    self._ops.rmtree(staging_dir)
         except OSError as e:
             logger.warning("safeckpt: could not remove %s (%s); the next start collects it", staging_dir, e)
 

@@ -196,7 +196,10 @@ def check_json_value(value: Any, what: str) -> None:
     try:
         json.dumps(value, allow_nan=True)
     except (TypeError, ValueError, RecursionError) as e:
-        where = _first_non_json(value, what, set()) or what
+        try:
+            where = _first_non_json(value, what, set()) or what
+        except RecursionError:  # nested too deeply to walk
+            where = what
         raise InvalidSaveError(
             f"{what} must be JSON data (dict, list, str, int, float, bool, None), but {where} is "
             f"not: {e}. Convert the value (e.g. tensor.item(), str(path)) before saving; nothing "

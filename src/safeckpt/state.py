@@ -18,6 +18,7 @@ Loading it never unpickles anything.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import random
 import sys
@@ -121,7 +122,7 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             name = f"t{len(self.tensors)}"
             tensor = value.detach()
-            if tensor.layout != torch.strided:
+            if tensor.layout != torch.strided or not _safetensors_dtype(tensor.dtype):
                 raise self._unsupported(value, path)
             self.tensors[name] = tensor.to("cpu", copy=True).contiguous()
             return {"__tensor__": name}
@@ -164,6 +165,16 @@ class _Encoder:
         )
 
 
+@functools.cache
+def _safetensors_dtype(dtype: torch.dtype) -> bool:
+    """Whether safetensors stores ``dtype`` (complex128 and quantized dtypes it does not)."""
+    try:
+        safetensors_save({"t": torch.empty(0, dtype=dtype)})
+    except Exception:
+        return False
+    return True
+
+
 def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(value, list):
         return [_decode(v, tensors) for v in value]
@@ -178,7 +189,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == "__dict__":
             return {_decode(k, tensors): _decode(v, tensors) for k, v in body}
         if tag == "__bytes__":
-            return base64.b64decode(body)
+            return base64.b64decode(body, validate=True)
         if tag == "__ndarray__":
             import numpy
 
@@ -191,11 +202,22 @@ def encode_train_state(train_part: Mapping[str, Any], rng: Mapping[str, Any] | N
     encoder = _Encoder()
     document = {
         "format": TRAIN_STATE_FORMAT,
-        "entries": {key: encoder.encode(entry, f"state[{key!r}]") for key, entry in train_part.items()},
+        "entries": {key: _encode_entry(encoder, key, entry) for key, entry in train_part.items()},
         RNG_KEY: None if rng is None else encoder.encode(dict(rng), "rng state"),
     }
     metadata = {_METADATA_KEY: json.dumps(document, allow_nan=True)}
     return safetensors_save(encoder.tensors, metadata=metadata)
+
+
+def _encode_entry(encoder: _Encoder, key: str, entry: Any) -> Any:
+    # Errors name the place in the user's state (state['sched'].state_dict()['fn']), not in
+    # the {"kind": ..., ...} wrapper, which the user never wrote.
+    where = f"state[{key!r}]"
+    if isinstance(entry, Mapping) and entry.keys() == {"kind", "state"} and entry["kind"] == "stateful":
+        return {"kind": "stateful", "state": encoder.encode(entry["state"], f"{where}.state_dict()")}
+    if isinstance(entry, Mapping) and entry.keys() == {"kind", "value"} and entry["kind"] == "value":
+        return {"kind": "value", "value": encoder.encode(entry["value"], where)}
+    return encoder.encode(entry, where)
 
 
 def decode_train_state(blob: bytes, *, source: str) -> dict[str, Any]:
@@ -205,16 +227,17 @@ def decode_train_state(blob: bytes, *, source: str) -> dict[str, Any]:
         header_len = int.from_bytes(blob[:8], "little")
         header = json.loads(blob[8 : 8 + header_len])
         document = json.loads(header["__metadata__"][_METADATA_KEY])
+        # Inside the try: a document naming a tensor the file lacks is damage too.
+        return {
+            "entries": _decode(document["entries"], tensors),
+            RNG_KEY: _decode(document.get(RNG_KEY), tensors),
+        }
     except Exception as e:
         raise IncompleteCheckpointError(
             f"{source} is not a readable train-state file ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Restore another one.",
             path=source,
         ) from e
-    return {
-        "entries": _decode(document["entries"], tensors),
-        RNG_KEY: _decode(document.get(RNG_KEY), tensors),
-    }
 
 
 # --- RNG -------------------------------------------------------------------------

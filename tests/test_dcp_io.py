@@ -1,0 +1,277 @@
+"""DCP files without pickle: what safeckpt writes loads with plain DCP; what a checkpoint asks
+to run is refused (and never runs: each attack would create a marker file)."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from safeckpt import CheckpointManager
+from safeckpt.dcp_io import METADATA_NAME, SafeFileSystemReader, SafeLoadPlanner, load, read_metadata, save
+from safeckpt.errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from safeckpt.fileops import FileOps
+from safeckpt.lock import SidecarLock
+from safeckpt.record import list_files, read_record, write_record
+
+
+def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.5)
+
+
+def assert_same(model: nn.Module, optim: torch.optim.Optimizer, other: nn.Module, other_optim: Any) -> None:
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        mine, theirs = optim.state[p], other_optim.state[q]
+        assert set(mine) == set(theirs) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), key
+    assert other_optim.param_groups[0]["lr"] == 0.01
+    assert tuple(other_optim.param_groups[0]["betas"]) == (0.8, 0.9)
+
+
+def saved_checkpoint(root: Path, step: int = 1) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    model, optim = trained()
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(step, {"model": model, "optim": optim, "epoch": 3})
+    return root / f"step_{step}", model, optim
+
+
+# --- compatibility ---------------------------------------------------------------------------------
+
+
+def test_a_safeckpt_checkpoint_loads_with_plain_dcp(root: Path) -> None:
+    directory, model, optim = saved_checkpoint(root)
+    other, other_optim = fresh()
+    state = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_optim)}
+    dcp.load(state, checkpoint_id=directory)  # plain DCP: its own reader and planner
+    set_model_state_dict(other, state["model"])
+    set_optimizer_state_dict(other, other_optim, state["optim"])
+    assert_same(model, optim, other, other_optim)
+
+
+def test_the_safe_reader_loads_the_same(root: Path) -> None:
+    directory, model, optim = saved_checkpoint(root)
+    other, other_optim = fresh()
+    state = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_optim)}
+    load(state, directory, None)
+    set_model_state_dict(other, state["model"])
+    set_optimizer_state_dict(other, other_optim, state["optim"])
+    assert_same(model, optim, other, other_optim)
+
+
+def test_read_metadata_admits_what_dcp_metadata_is_made_of(root: Path) -> None:
+    state = {
+        "bf16": torch.ones(3, dtype=torch.bfloat16),
+        "i64": torch.arange(4),
+        "channels_last": torch.ones(1, 2, 2, 2).to(memory_format=torch.channels_last),
+        "scalar": 3.5,
+        "nested": {"list": [1, "two", (3.0,)]},
+    }
+    save(state, root, None)
+    metadata = read_metadata(root)
+    with open(root / METADATA_NAME, "rb") as f:
+        assert metadata == pickle.load(f)  # the same object plain pickle would build
+    target: dict[str, Any] = {
+        "bf16": torch.zeros(3, dtype=torch.bfloat16),
+        "i64": torch.zeros(4, dtype=torch.int64),
+        "channels_last": torch.zeros(1, 2, 2, 2),
+        "scalar": 0.0,
+        "nested": {"list": None},
+    }
+    load(target, root, None)
+    assert torch.equal(target["bf16"], state["bf16"]) and torch.equal(target["i64"], state["i64"])
+    assert target["scalar"] == 3.5 and target["nested"] == {"list": [1, "two", (3.0,)]}
+
+
+def test_the_safe_reader_is_a_filesystem_reader(root: Path) -> None:
+    save({"w": torch.ones(2)}, root, None)
+    reader = SafeFileSystemReader(root)
+    metadata = reader.read_metadata()
+    assert metadata.storage_meta is not None and metadata.storage_meta.load_id == reader.load_id
+    target = {"w": torch.zeros(2)}
+    dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner())
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+# --- malicious .metadata ---------------------------------------------------------------------------
+
+
+class Attack:
+    """Unpickling this object runs ``call(*args)``."""
+
+    def __init__(self, call: Any, *args: Any) -> None:
+        self.call, self.args = call, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.call, self.args)
+
+
+def attacks(marker: Path) -> dict[str, Any]:
+    return {
+        "os.system": Attack(os.system, f"touch {marker}"),
+        "builtins.eval": Attack(builtins.eval, f"open({str(marker)!r}, 'w').write('pwned')"),
+        "builtins.exec": Attack(builtins.exec, f"open({str(marker)!r}, 'w').write('pwned')"),
+    }
+
+
+ATTACKS = ["os.system", "builtins.eval", "builtins.exec"]
+PROTOCOLS = [0, 2, pickle.HIGHEST_PROTOCOL]
+
+
+def test_the_attacks_work_on_plain_pickle(tmp_path: Path) -> None:
+    # A control: each payload really runs its code when unpickled without restrictions.
+    for name in ATTACKS:
+        marker = tmp_path / f"marker-{name}"
+        pickle.loads(pickle.dumps(attacks(marker)[name]))
+        assert marker.exists(), name
+
+
+def plant_metadata(directory: Path, payload: bytes) -> None:
+    """Replace a checkpoint's .metadata, and its record's sizes too, as an attacker would."""
+    (directory / METADATA_NAME).write_bytes(payload)
+    record = read_record(directory)
+    assert record is not None
+    lock = SidecarLock(directory.parent / ".lock")
+    write_record(directory, dataclasses.replace(record, files=list_files(directory)), lock, FileOps())
+
+
+@pytest.mark.parametrize("name", ATTACKS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_malicious_metadata_is_refused_and_never_runs(tmp_path: Path, name: str, protocol: int) -> None:
+    marker = tmp_path / "marker"
+    directory = tmp_path / "ckpt"
+    save({"w": torch.ones(2)}, directory, None)
+    (directory / METADATA_NAME).write_bytes(pickle.dumps(attacks(marker)[name], protocol=protocol))
+    with pytest.raises(UnsafeCheckpointError) as info:
+        read_metadata(directory)
+    message = str(info.value)
+    assert str(directory / METADATA_NAME) in message
+    assert "refuses to load it" in message and "could run code" in message
+    assert info.value.path == str(directory / METADATA_NAME)
+    with pytest.raises(UnsafeCheckpointError):
+        load({"w": torch.zeros(2)}, directory, None)
+    assert not marker.exists()
+
+
+def test_an_attack_hidden_inside_real_metadata_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    save({"w": torch.ones(2)}, tmp_path / "ckpt", None)
+    metadata = read_metadata(tmp_path / "ckpt")
+    metadata.planner_data = {"w": attacks(marker)["builtins.eval"]}
+    (tmp_path / "ckpt" / METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.eval"):
+        read_metadata(tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("torch", "load"),
+        ("torch.serialization", "load"),
+        ("torch.distributed.checkpoint.metadata", "dataclass"),  # a function in an admitted module
+        ("torch.distributed.checkpoint.metadata", "Metadata.__init__"),
+        ("torch", "Size.__class__"),
+        ("pathlib", "Path.write_text"),
+        ("collections", "namedtuple"),
+        ("copyreg", "_reconstructor"),
+        ("subprocess", "Popen"),
+    ],
+)
+def test_only_dcp_metadata_globals_are_admitted(tmp_path: Path, module: str, name: str) -> None:
+    # GLOBAL opcode (protocol 0), naming the global directly.
+    payload = f"c{module}\n{name}\n.".encode()
+    (tmp_path / METADATA_NAME).write_bytes(payload)
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(f"asks to load {module}.{name},")):
+        read_metadata(tmp_path)
+
+
+def test_a_malicious_metadata_is_refused_by_restore(root: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    saved_checkpoint(root, step=1)
+    directory, _, _ = saved_checkpoint(root, step=2)
+    plant_metadata(directory, pickle.dumps(attacks(marker)["os.system"]))
+    model, optim = fresh()
+    with CheckpointManager(root, async_save=False) as mgr:
+        with pytest.raises(UnsafeCheckpointError, match="could run code"):
+            mgr.restore({"model": model, "optim": optim}, step=2)
+        # `latest` names step 2: auto-resume refuses it too rather than loading it.
+        with pytest.raises(UnsafeCheckpointError):
+            mgr.restore({"model": model, "optim": optim})
+        assert mgr.restore({"model": model, "optim": optim}, step=1) == 1
+    assert not marker.exists()
+
+
+# --- malicious non-tensor values (BYTE_IO items) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ATTACKS)
+def test_a_malicious_value_is_refused_by_the_planner(tmp_path: Path, name: str) -> None:
+    marker = tmp_path / "marker"
+    directory = tmp_path / "ckpt"
+    # DCP saves a non-tensor value with torch.save: a crafted checkpoint can hold any pickle there.
+    save({"lr": attacks(marker)[name], "w": torch.ones(2)}, directory, None)
+    read_metadata(directory)  # the metadata itself is clean
+    target = {"lr": 0.0, "w": torch.zeros(2)}
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load(target, directory, None)
+    assert "'lr'" in str(info.value) and "will not unpickle it" in str(info.value)
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, Exception)
+    assert not marker.exists()
+    assert target["lr"] == 0.0
+
+
+# --- damaged metadata -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0, 1, 0.5, -1], ids=["empty", "one-byte", "half", "all-but-one"])
+def test_a_truncated_metadata_is_an_incomplete_checkpoint(tmp_path: Path, keep: float) -> None:
+    save({"w": torch.ones(2), "b": 1.5}, tmp_path, None)
+    raw = (tmp_path / METADATA_NAME).read_bytes()
+    cut = int(len(raw) * keep) if isinstance(keep, float) else (keep if keep >= 0 else len(raw) + keep)
+    (tmp_path / METADATA_NAME).write_bytes(raw[:cut])
+    with pytest.raises(IncompleteCheckpointError) as info:
+        read_metadata(tmp_path)
+    assert "is not readable DCP metadata" in str(info.value) and "Restore another one" in str(info.value)
+    assert info.value.path == str(tmp_path / METADATA_NAME)
+
+
+def test_a_missing_metadata_is_an_incomplete_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(IncompleteCheckpointError, match=r"has no \.metadata"):
+        read_metadata(tmp_path)
+
+
+def test_metadata_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    (tmp_path / METADATA_NAME).write_bytes(pickle.dumps(torch.Size([1, 2])))
+    with pytest.raises(IncompleteCheckpointError, match="holds a Size, not DCP metadata"):
+        read_metadata(tmp_path)

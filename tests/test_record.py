@@ -1,0 +1,358 @@
+"""Records: round trip, atomic writes under the sidecar lock, amend, torn records, input checks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from faults import FaultyFileOps, LockRecordingFileOps
+from safeckpt.errors import IncompleteCheckpointError, InvalidSaveError
+from safeckpt.layout import RECORD_NAME
+from safeckpt.lock import SidecarLock
+from safeckpt.record import (
+    COMMITTED,
+    Record,
+    amend_record,
+    check_json_value,
+    clean_metrics,
+    encode,
+    list_files,
+    missing_or_wrong_files,
+    read_record,
+    write_record,
+)
+
+
+@pytest.fixture
+def ckpt(root_dir: Path) -> Path:
+    """A checkpoint directory inside the root (local and NFS), with two data files."""
+    path = root_dir / "step_5"
+    (path / "sub").mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"a" * 10)
+    (path / "sub" / "part").write_bytes(b"b" * 3)
+    return path
+
+
+@pytest.fixture
+def lock(root_dir: Path) -> SidecarLock:
+    root_dir.mkdir(exist_ok=True)
+    return SidecarLock(root_dir / ".lock", timeout=30)
+
+
+def a_record(**changes: Any) -> Record:
+    fields: dict[str, Any] = dict(
+        step=5,
+        time=1_700_000_000.25,
+        files={"__0_0.distcp": 10, "sub/part": 3},
+        metrics={"loss": 0.5, "acc": None, "big": math.inf},
+        extra={"epoch": 2, "notes": ["a", {"b": None}], "lr": 1e-4},
+        world_size=4,
+        pinned=False,
+        registration=None,
+        torch_version="2.x",
+    )
+    fields.update(changes)
+    return Record(**fields)
+
+
+# --- round trip ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        pytest.param(a_record(), id="full"),
+        pytest.param(a_record(pinned=True, registration={"status": "registered", "id": 7}), id="registered"),
+        pytest.param(Record(step=0, time=0.0, files={}), id="minimal"),
+        pytest.param(a_record(status="writing", metrics={}, extra={}), id="not-committed"),
+    ],
+)
+def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> None:
+    write_record(ckpt, record, lock, FaultyFileOps())
+    assert read_record(ckpt) == record
+    assert Record.from_json(json.loads(encode(record))) == record
+
+
+def test_the_record_on_disk_is_readable_json(ckpt: Path, lock: SidecarLock) -> None:
+    write_record(ckpt, a_record(), lock, FaultyFileOps())
+    data = json.loads((ckpt / RECORD_NAME).read_text())
+    assert data["status"] == COMMITTED and data["step"] == 5
+    assert data["time_iso"] == "2023-11-14T22:13:20Z"
+    assert list(data["files"]) == sorted(data["files"])
+    record = read_record(ckpt)
+    assert record is not None and record.committed and record.size == 13
+
+
+def test_no_record_reads_as_none(ckpt: Path) -> None:
+    assert read_record(ckpt) is None
+    assert read_record(ckpt.parent / "nowhere") is None
+
+
+def test_a_write_goes_through_a_temp_file_and_replace_under_the_lock(root_dir: Path, ckpt: Path) -> None:
+    ops = LockRecordingFileOps(root_dir)
+    write_record(ckpt, a_record(), ops.lock, ops)  # type: ignore[arg-type]
+    (write,) = ops.calls_of("write_file")
+    (replace,) = ops.calls_of("replace")
+    (tmp,) = write.paths
+    assert tmp.parent == ckpt and tmp.name.startswith(f".{RECORD_NAME}.tmp.")
+    assert replace.paths == (tmp, ckpt / RECORD_NAME)
+    assert write.locked and replace.locked
+    assert [c.op for c in ops.calls] == ["write_file", "replace", "fsync_dir"]
+    assert ops.calls[-1].paths == (ckpt,)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "sub"]
+
+
+@pytest.mark.parametrize(
+    "op,partial",
+    [
+        pytest.param("write_file", True, id="torn-write"),
+        pytest.param("write_file", False, id="write-fails"),
+        pytest.param("replace", False, id="replace-fails"),
+    ],
+)
+def test_a_failed_write_leaves_the_old_record_and_no_temp_file(
+    ckpt: Path, lock: SidecarLock, op: str, partial: bool
+) -> None:
+    ops = FaultyFileOps()
+    old = a_record()
+    write_record(ckpt, old, lock, ops)
+    ops.fail(op, errno.ENOSPC, partial=partial)
+    with pytest.raises(OSError) as info:
+        write_record(ckpt, a_record(pinned=True, extra={"x": "y" * 10_000}), lock, ops)
+    assert info.value.errno == errno.ENOSPC
+    assert read_record(ckpt) == old
+    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "sub"]
+    assert not lock.held()
+
+
+# --- amend ---------------------------------------------------------------------------------------
+
+
+def test_amend_changes_only_what_it_is_given(root_dir: Path, ckpt: Path) -> None:
+    ops = LockRecordingFileOps(root_dir)
+    write_record(ckpt, a_record(), ops.lock, ops)  # type: ignore[arg-type]
+    amended = amend_record(ckpt, ops.lock, ops, pinned=True)  # type: ignore[arg-type]
+    assert amended == a_record(pinned=True) == read_record(ckpt)
+    assert all(c.locked for c in ops.calls_of("write_file", "replace"))
+
+
+def test_amend_rereads_the_record_under_the_lock(ckpt: Path, lock: SidecarLock) -> None:
+    ops = FaultyFileOps()
+    write_record(ckpt, a_record(), lock, ops)
+    result: dict[str, Any] = {}
+
+    def amend() -> None:
+        result["record"] = amend_record(ckpt, lock, ops, registration={"status": "registered"})
+
+    with lock:  # another writer (a `safeckpt pin`, say) holds the lock ...
+        amender = threading.Thread(target=amend)
+        amender.start()
+        amender.join(0.2)
+        assert amender.is_alive(), "amend_record did not wait for the sidecar lock"
+        write_record(ckpt, a_record(pinned=True), lock, ops)  # ... and changes the record
+    amender.join()
+    # The amend saw the change made while it waited: it read the record after taking the lock.
+    expected = a_record(pinned=True, registration={"status": "registered"})
+    assert result["record"] == expected == read_record(ckpt)
+
+
+def test_amend_without_a_record_is_an_incomplete_checkpoint(ckpt: Path, lock: SidecarLock) -> None:
+    with pytest.raises(IncompleteCheckpointError, match="no record to amend") as info:
+        amend_record(ckpt, lock, FaultyFileOps(), pinned=True)
+    assert info.value.path == str(ckpt)
+    assert not lock.held()
+
+
+# --- torn and invalid records -----------------------------------------------------------------------
+
+GOOD = json.loads(encode(a_record()))
+
+
+def _without(key: str) -> dict[str, Any]:
+    return {k: v for k, v in GOOD.items() if k != key}
+
+
+BAD_RECORDS = [
+    pytest.param(encode(a_record())[:40], id="truncated"),
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\xff\xfe\x00garbage", id="binary"),
+    pytest.param(b"[1, 2]", id="not-an-object"),
+    pytest.param(b"null", id="null"),
+    pytest.param(json.dumps(_without("files")).encode(), id="no-files"),
+    pytest.param(json.dumps(_without("step")).encode(), id="no-step"),
+    pytest.param(json.dumps(_without("time")).encode(), id="no-time"),
+    pytest.param(json.dumps(_without("status")).encode(), id="no-status"),
+    pytest.param(json.dumps({**GOOD, "step": "5"}).encode(), id="step-a-string"),
+    pytest.param(json.dumps({**GOOD, "step": True}).encode(), id="step-a-bool"),
+    pytest.param(json.dumps({**GOOD, "step": 5.0}).encode(), id="step-a-float"),
+    pytest.param(json.dumps({**GOOD, "time": "noon"}).encode(), id="time-not-a-number"),
+    pytest.param(json.dumps({**GOOD, "files": {"a": "10"}}).encode(), id="size-a-string"),
+    pytest.param(json.dumps({**GOOD, "files": ["a"]}).encode(), id="files-a-list"),
+    pytest.param(json.dumps({**GOOD, "metrics": {"loss": "low"}}).encode(), id="metric-a-string"),
+    pytest.param(json.dumps({**GOOD, "metrics": ["loss"]}).encode(), id="metrics-a-list"),
+    pytest.param(json.dumps({**GOOD, "world_size": None}).encode(), id="world-size-null"),
+]
+
+
+@pytest.mark.parametrize("raw", BAD_RECORDS)
+def test_a_torn_or_invalid_record_is_an_incomplete_checkpoint(ckpt: Path, raw: bytes) -> None:
+    (ckpt / RECORD_NAME).write_bytes(raw)
+    with pytest.raises(IncompleteCheckpointError) as info:
+        read_record(ckpt)
+    message = str(info.value)
+    assert str(ckpt / RECORD_NAME) in message
+    assert "restore another step" in message.lower()
+    assert info.value.path == str(ckpt / RECORD_NAME)
+
+
+def test_from_json_names_its_source() -> None:
+    with pytest.raises(IncompleteCheckpointError, match="not a valid safeckpt record") as info:
+        Record.from_json({"step": 1}, path="/x/metadata.json")
+    assert info.value.path == "/x/metadata.json"
+    assert "'files'" in str(info.value) or "files" in str(info.value)
+
+
+# --- files -----------------------------------------------------------------------------------------
+
+
+def test_list_files_lists_everything_but_the_record(ckpt: Path, lock: SidecarLock) -> None:
+    write_record(ckpt, a_record(), lock, FaultyFileOps())
+    assert list_files(ckpt) == {"__0_0.distcp": 10, "sub/part": 3}
+
+
+FILE_PROBLEMS = [
+    pytest.param({}, [], id="complete"),
+    pytest.param({"extra_file_on_disk": None}, [], id="unlisted-file-is-fine"),
+    pytest.param({"__0_0.distcp": "delete"}, ["__0_0.distcp is missing"], id="missing"),
+    pytest.param({"sub/part": b"bb"}, ["sub/part has 2 bytes, the record says 3"], id="shorter"),
+    pytest.param({"__0_0.distcp": b"a" * 11}, ["__0_0.distcp has 11 bytes, the record says 10"], id="longer"),
+    pytest.param(
+        {"__0_0.distcp": "delete", "sub/part": b""},
+        ["__0_0.distcp is missing", "sub/part has 0 bytes, the record says 3"],
+        id="two-problems-in-order",
+    ),
+    pytest.param({"sub": "file"}, ["sub/part is missing"], id="parent-is-a-file"),
+]
+
+
+@pytest.mark.parametrize("damage,expected", FILE_PROBLEMS)
+def test_missing_or_wrong_files(ckpt: Path, damage: dict[str, Any], expected: list[str]) -> None:
+    record = a_record()
+    for rel, what in damage.items():
+        path = ckpt / rel
+        if what == "delete":
+            path.unlink()
+        elif what == "file":
+            for child in path.iterdir():
+                child.unlink()
+            path.rmdir()
+            path.write_bytes(b"now a file")
+        elif what is None:
+            path.write_bytes(b"?")
+        else:
+            path.write_bytes(what)
+    assert missing_or_wrong_files(ckpt, record) == expected
+
+
+# --- input checks -------------------------------------------------------------------------------------
+
+
+GOOD_METRICS = [
+    pytest.param({"loss": 1}, {"loss": 1.0}, id="int"),
+    pytest.param({"loss": 0.25}, {"loss": 0.25}, id="float"),
+    pytest.param({"loss": float("nan")}, {"loss": None}, id="nan-becomes-none"),
+    pytest.param({"loss": -math.inf}, {"loss": -math.inf}, id="inf"),
+    pytest.param({"loss": np.float32(0.5), "n": np.int64(3)}, {"loss": 0.5, "n": 3.0}, id="numpy-scalars"),
+    pytest.param({"loss": torch.tensor(0.5)}, {"loss": 0.5}, id="0d-tensor"),
+    pytest.param({"loss": torch.tensor([0.5])}, {"loss": 0.5}, id="one-element-tensor"),
+    pytest.param({"loss": torch.tensor(float("nan"))}, {"loss": None}, id="nan-tensor"),
+    pytest.param(None, {}, id="none"),
+    pytest.param({}, {}, id="empty"),
+]
+
+
+@pytest.mark.parametrize("metrics,expected", GOOD_METRICS)
+def test_clean_metrics(metrics: Any, expected: dict[str, float | None]) -> None:
+    cleaned = clean_metrics(metrics)
+    assert cleaned == expected
+    assert all(v is None or type(v) is float for v in cleaned.values())
+
+
+BAD_METRICS = [
+    pytest.param({1: 0.5}, "metric names must be strings, got 1", id="int-name"),
+    pytest.param({"loss": "0.5"}, "metric 'loss' must be a number, got str", id="string"),
+    pytest.param({"loss": True}, "metric 'loss' must be a number, got bool", id="bool"),
+    pytest.param({"loss": None}, "metric 'loss' must be a number, got NoneType", id="none"),
+    pytest.param({"loss": [0.5]}, "metric 'loss' must be a number, got list", id="list"),
+    pytest.param({"loss": 1 + 2j}, "metric 'loss' must be a number, got complex", id="complex"),
+    pytest.param({"loss": torch.ones(3)}, "metric 'loss' must be a number, got a tensor", id="tensor"),
+    pytest.param({"loss": np.ones(2)}, "metric 'loss' must be a number, got a tensor", id="ndarray"),
+    pytest.param({"loss": np.bool_(True)}, "metric 'loss' must be a number, got bool", id="numpy-bool"),
+    pytest.param({"loss": 10**400}, "metric 'loss' is too large for a float", id="huge-int"),
+    pytest.param([("loss", 0.5)], "metrics must be a dict of name -> number, got list", id="not-a-dict"),
+    pytest.param("loss", "metrics must be a dict of name -> number, got str", id="a-string"),
+]
+
+
+@pytest.mark.parametrize("metrics,message", BAD_METRICS)
+def test_bad_metrics_are_refused_with_a_clear_error(metrics: Any, message: str) -> None:
+    with pytest.raises(InvalidSaveError) as info:
+        clean_metrics(metrics)
+    assert message in str(info.value)
+    assert "nothing was written" in str(info.value).lower()
+
+
+def _deep(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cycle() -> dict[str, Any]:
+    value: dict[str, Any] = {"a": []}
+    value["a"].append(value)
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param({"a": [1, 2.5, "x", None, True, {"b": float("nan")}]}, id="nested"),
+        pytest.param({"t": (1, 2)}, id="tuple-as-list"),
+        pytest.param({}, id="empty"),
+        pytest.param({"shared": [[1], [1]]}, id="plain-lists"),
+    ],
+)
+def test_json_values_pass(value: Any) -> None:
+    check_json_value(value, "extra")
+
+
+BAD_JSON = [
+    pytest.param({"a": {1, 2}}, "extra['a']", "set", id="set"),
+    pytest.param({"a": [1, object()]}, "extra['a'][1]", "object", id="object-in-list"),
+    pytest.param({"a": {"b": b"bytes"}}, "extra['a']['b']", "bytes", id="bytes"),
+    pytest.param({"t": torch.zeros(2)}, "extra['t']", "Tensor", id="tensor"),
+    pytest.param({"p": Path("/x")}, "extra['p']", "PosixPath", id="path"),
+    pytest.param({(1, 2): "tuple key"}, "the key (1, 2) of extra", "keys must be", id="tuple-key"),
+    pytest.param(_cycle(), "extra['a'][0]", "Circular reference", id="cycle"),
+    pytest.param({"a": _deep(100_000)}, "extra", "recursion", id="too-deep"),
+]
+
+
+@pytest.mark.parametrize("value,where,why", BAD_JSON)
+def test_non_json_values_are_refused_naming_where(value: Any, where: str, why: str) -> None:
+    with pytest.raises(InvalidSaveError) as info:
+        check_json_value(value, "extra")
+    message = str(info.value)
+    assert f"but {where} is not" in message
+    assert why in message
+    assert "nothing was written" in message
