@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from safeckpt import CheckpointManager, read_record
+from safeckpt import CheckpointManager, Retention, read_record
 from safeckpt.atomic import swap_pointer
 from safeckpt.cli import main
 from safeckpt.fileops import DEFAULT_FILE_OPS
@@ -55,6 +55,22 @@ def ls_json(root: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> dict:
 
 
 # --- ls ------------------------------------------------------------------------------------------
+
+
+def test_ls_explains_with_the_retention_the_job_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False, retention=Retention(keep_last=2, keep_every=20)) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, {"w": torch.zeros(2)})
+    data = ls_json(root, capsys=capsys)
+    assert data["retention_source"] == "recorded"
+    kept = {c["step"]: c["kept_because"] for c in data["checkpoints"]}
+    assert kept == {20: ["every 20"], 30: ["last 2"], 40: ["latest", "last 2", "every 20"]}
+    given = ls_json(root, "--keep-last", "1", capsys=capsys)
+    assert given["retention_source"] == "given"
+    assert {c["step"]: c["kept_because"] for c in given["checkpoints"]}[20] == []
 
 
 def test_ls_missing_root_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,7 +135,9 @@ def test_ls_json_and_leftovers(ckpt: Path, capsys: pytest.CaptureFixture[str]) -
     assert by_step[30]["size"] == read_record(ckpt / "step_30").size > 0
     assert by_step[30]["metrics"] == {"loss": 0.4}
     assert by_step[30]["status"] == "committed" and by_step[30]["problems"] == []
-    assert by_step[60]["kept_because"] == ["latest"] and by_step[60]["latest"]
+    # without retention options, ls explains with the retention the job recorded (keep all here)
+    assert data["retention_source"] == "recorded"
+    assert by_step[60]["kept_because"] == ["latest", "no retention limit"] and by_step[60]["latest"]
     assert by_step[80]["status"] == "incomplete" and by_step[80]["problems"]
 
     assert main(["ls", str(ckpt)]) == 0
@@ -134,7 +152,8 @@ def test_ls_notes_a_broken_latest(ckpt: Path, capsys: pytest.CaptureFixture[str]
     data = ls_json(ckpt, capsys=capsys)
     assert data["latest"] is None and data["latest_name"] == "step_999"
     assert next(c for c in data["checkpoints"] if c["step"] == 60)["kept_because"] == [
-        "newest (`latest` is missing or broken)"
+        "newest (`latest` is missing or broken)",
+        "no retention limit",
     ]
     assert main(["ls", str(ckpt)]) == 0
     assert "`latest` names step_999" in capsys.readouterr().out
@@ -227,7 +246,7 @@ def test_pin_survives_prune_and_unpin_releases(ckpt: Path, capsys: pytest.Captur
     assert main(["pin", str(ckpt), "20"]) == 0
     assert "pinned step 20" in capsys.readouterr().out
     assert read_record(ckpt / "step_20").pinned
-    assert ls_json(ckpt, capsys=capsys)["checkpoints"][1]["kept_because"] == ["pinned"]
+    assert ls_json(ckpt, capsys=capsys)["checkpoints"][1]["kept_because"] == ["no retention limit", "pinned"]
 
     assert main(["prune", str(ckpt), "--keep-last", "1"]) == 0
     assert steps_on_disk(ckpt) == [20, 60]

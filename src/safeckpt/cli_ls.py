@@ -34,6 +34,17 @@ def existing_root(root: str | os.PathLike[str]) -> Path:
     return path
 
 
+def recorded_retention(catalog: Catalog) -> Retention | None:
+    """The retention the job that wrote the newest record used, if it says."""
+    for entry in sorted(catalog.committed.values(), key=lambda e: e.step, reverse=True):
+        if entry.record is not None and entry.record.retention is not None:
+            try:
+                return Retention.from_json(entry.record.retention)
+            except (CheckpointError, TypeError):
+                return None
+    return None
+
+
 def listing(root: str | os.PathLike[str], retention: Retention | None = None) -> dict[str, Any]:
     """What ``root`` holds as JSON data: checkpoints (by step), ``latest``, leftovers.
 
@@ -44,6 +55,10 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     """
     path = existing_root(root)
     catalog = scan(path)
+    source = "given"
+    if retention is None:
+        retention = recorded_retention(catalog)
+        source = "recorded"
     protected = {step: _protected_reason(catalog, step) for step in protected_steps(catalog)}
     reasons = explain(infos(catalog), retention, protected) if retention is not None else {}
     checkpoints = []
@@ -77,6 +92,7 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
         "latest": catalog.latest_step,
         "latest_name": catalog.latest_name,
         "retention": None if retention is None else retention.policy().reason(),
+        "retention_source": None if retention is None else source,
         "checkpoints": checkpoints,
         "staging": [p.name for p in catalog.staging],
         "trash": [p.name for p in catalog.trash],
@@ -118,7 +134,8 @@ def render(console: Console, data: dict[str, Any]) -> None:
     else:
         title = f"checkpoints in {data['root']}"
         if data["retention"]:
-            title += f" (kept by: {data['retention']})"
+            whose = "the job's retention" if data["retention_source"] == "recorded" else "kept by"
+            title += f" ({whose}: {data['retention']})"
         table = Table(title=title, title_justify="left")
         table.add_column("step", justify="right", no_wrap=True)
         table.add_column("time", no_wrap=True)
@@ -138,6 +155,8 @@ def render(console: Console, data: dict[str, Any]) -> None:
                 kept = "not loadable; never pruned"
             elif data["retention"]:
                 kept = "[yellow]nothing: the next prune removes it[/]"
+                if data["retention_source"] == "recorded":
+                    kept = "[yellow]nothing: the job prunes it at its next commit[/]"
             else:
                 kept = ""
             table.add_row(

@@ -583,6 +583,7 @@ class CheckpointManager:
             pinned=job.pinned,
             torch_version=torch.__version__,
             library_version=__version__,
+            retention=self.retention.to_json(),
         )
         target = layout.step_dir(job.step)
         with self._lock:

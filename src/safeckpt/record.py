@@ -43,6 +43,8 @@ class Record:
     world_size: int = 1
     pinned: bool = False
     registration: Mapping[str, Any] | None = None
+    retention: Mapping[str, Any] | None = None
+    """The retention of the job that wrote it (``Retention.to_json()``), for ``safeckpt ls``."""
     library_version: str = __version__
     torch_version: str = ""
     format_version: int = FORMAT_VERSION
@@ -60,6 +62,7 @@ class Record:
             "pinned": self.pinned,
             "extra": dict(self.extra),
             "registration": None if self.registration is None else dict(self.registration),
+            "retention": None if self.retention is None else dict(self.retention),
             "library_version": self.library_version,
             "torch_version": self.torch_version,
         }
@@ -84,6 +87,7 @@ class Record:
                 world_size=_int(data.get("world_size", 1)),
                 pinned=bool(data.get("pinned", False)),
                 registration=data.get("registration"),
+                retention=_optional_dict(data.get("retention")),
                 library_version=str(data.get("library_version", "")),
                 torch_version=str(data.get("torch_version", "")),
                 format_version=_int(data.get("format_version", FORMAT_VERSION)),
@@ -112,6 +116,12 @@ def _metrics(value: Any) -> dict[str, float | None]:
     ):
         raise TypeError("'metrics' must map names to numbers or null")
     return dict(value)
+
+
+def _optional_dict(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object or null, got {value!r}")
+    return value
 
 
 def _int(value: Any) -> int:

@@ -10,10 +10,11 @@ protection is not a policy the user can turn off.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from .errors import ConfigError
 
@@ -206,6 +207,15 @@ class Retention:
 
     def policy(self) -> KeepAny:
         return KeepAny(self.policies())
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Retention:
+        """The inverse of :meth:`to_json`; unknown fields (from a newer version) are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def plan_removals(
