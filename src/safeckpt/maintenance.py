@@ -15,10 +15,10 @@ from . import dcp_io
 from .catalog import Catalog, scan, verify_files
 from .errors import CheckpointError, CheckpointNotFoundError
 from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import PRUNED, Layout
+from .layout import Layout
 from .lock import SidecarLock
 from .record import Record, amend_record
-from .removal import Deleter, recover_interrupted_replacements
+from .removal import Deleter, discard_checkpoint, recover_interrupted_replacements
 from .retention import CheckpointInfo, Retention, plan_removals
 
 
@@ -70,10 +70,8 @@ def prune(
         result.removed = sorted(drop)
         if dry_run:
             return result
-        if drop:
-            layout.trash.mkdir(exist_ok=True)
-        for step in result.removed:
-            ops.replace(layout.step_dir(step), layout.new_trash_path(step, PRUNED))
+        result.removed = [s for s in result.removed if discard_checkpoint(layout, lock, ops, s)[0]]
+        result.kept = sorted(set(catalog.committed) - set(result.removed))
     result.left_in_trash = Deleter(layout, lock, ops).drain(drain_timeout)
     return result
 

@@ -21,7 +21,6 @@ The commit protocol of one save (see ``docs/format.md``):
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import operator
 import os
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dcp_io
 from ._version import __version__
-from .atomic import read_pointer, replace_dir, swap_pointer
+from .atomic import replace_dir, swap_pointer
 from .catalog import scan
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
@@ -67,7 +66,12 @@ from .record import (
     write_record,
 )
 from .registry import Registrar
-from .removal import Deleter, collect_abandoned_staging, recover_interrupted_replacements
+from .removal import (
+    Deleter,
+    collect_abandoned_staging,
+    discard_checkpoint,
+    recover_interrupted_replacements,
+)
 from .restore import choose_checkpoint, load_checkpoint
 from .retention import CheckpointInfo, Retention, explain, plan_removals
 from .state import (
@@ -674,25 +678,13 @@ class CheckpointManager:
 
     def _trash_one(self, step: int) -> bool:
         assert self._lock is not None
-        path = self._layout.step_dir(step)
-        with self._lock:
-            try:
-                record = read_record(path)
-            except IncompleteCheckpointError:
-                record = None
-            if record is not None and record.pinned:
-                with self._view_lock:
-                    self._committed[step] = _Committed(path, record)
-                return False
-            if read_pointer(self._layout.latest_path) == step_dirname(step):
-                return False
-            self._layout.trash.mkdir(exist_ok=True)
-            # FileNotFoundError: already gone (a `safeckpt prune` from outside).
-            with contextlib.suppress(FileNotFoundError):
-                self._ops.replace(path, self._layout.new_trash_path(step, PRUNED))
+        moved, record = discard_checkpoint(self._layout, self._lock, self._ops, step)
         with self._view_lock:
-            self._committed.pop(step, None)
-        return True
+            if moved:
+                self._committed.pop(step, None)
+            elif record is not None and step in self._committed:
+                self._committed[step] = _Committed(self._layout.step_dir(step), record)
+        return moved
 
     # --- pins and views -----------------------------------------------------------
 

@@ -18,6 +18,7 @@ resume), and a background :class:`Deleter` removes trash entries in passes:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -27,9 +28,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import read_pointer
+from .errors import IncompleteCheckpointError
 from .fileops import FileOps
-from .layout import ABANDONED, PRUNED, REPLACED, Layout, parse_staging_name, parse_trash_name
+from .layout import (
+    ABANDONED,
+    PRUNED,
+    REPLACED,
+    Layout,
+    parse_staging_name,
+    parse_trash_name,
+    step_dirname,
+)
 from .lock import SidecarLock
+from .record import Record, read_record
 
 logger = logging.getLogger(__name__)
 
@@ -269,3 +281,28 @@ def collect_abandoned_staging(layout: Layout, lock: SidecarLock, ops: FileOps) -
             ops.replace(entry, target)
             moved.append(target)
     return moved
+
+
+def discard_checkpoint(
+    layout: Layout, lock: SidecarLock, ops: FileOps, step: int
+) -> tuple[bool, Record | None]:
+    """Move ``step_<N>`` to the trash, unless it is pinned or ``latest`` names it.
+
+    Both are re-checked on disk under the sidecar lock (a ``safeckpt pin`` from
+    another process changes only the record). Returns whether it moved, and the
+    record as read (None if unreadable). A directory already gone counts as moved.
+    """
+    path = layout.step_dir(step)
+    with lock:
+        try:
+            record = read_record(path)
+        except IncompleteCheckpointError:
+            record = None
+        if record is not None and record.pinned:
+            return False, record
+        if read_pointer(layout.latest_path) == step_dirname(step):
+            return False, record
+        layout.trash.mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # already gone: pruned from outside
+            ops.replace(path, layout.new_trash_path(step, PRUNED))
+    return True, record
