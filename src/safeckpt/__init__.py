@@ -23,7 +23,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .fileops import FileOps
-from .manager import CheckpointManager, CheckpointStatus
+from .manager import CheckpointManager
 from .record import Record, read_record
 from .registry import JsonlIndexRegistrar, Registrar
 from .retention import (
@@ -37,6 +37,7 @@ from .retention import (
     Policy,
     Retention,
 )
+from .view import CheckpointStatus
 
 __all__ = [
     "CheckpointError",

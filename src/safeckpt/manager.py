@@ -24,13 +24,10 @@ import atexit
 import logging
 import operator
 import os
-import shutil
-import threading
 import time
 import uuid
 import weakref
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +50,7 @@ from .errors import (
     RankAgreementError,
     SaveFailedError,
 )
+from .failures import save_failed
 from .fileops import DEFAULT_FILE_OPS, FileOps
 from .layout import PRUNED, REPLACED, Layout, step_dirname
 from .lock import SidecarLock
@@ -73,49 +71,17 @@ from .removal import (
     recover_interrupted_replacements,
 )
 from .restore import choose_checkpoint, load_checkpoint
-from .retention import CheckpointInfo, Retention, explain, plan_removals
+from .retention import Retention
 from .state import (
     capture,
     train_state_filename,
 )
-from .writer import (
-    CANCELLED,
-    COMMITTED,
-    FAILED,
-    QUEUED,
-    WRITING,
-    BackgroundWriter,
-    SaveJob,
-    StagingPool,
-)
+from .view import CheckpointStatus, Committed, SaveView
+from .writer import COMMITTED, FAILED, BackgroundWriter, SaveJob, StagingPool
 
 logger = logging.getLogger(__name__)
 
 _WRITE_ERRORS = (Exception, CheckpointException)
-
-
-@dataclass(frozen=True)
-class CheckpointStatus:
-    """A checkpoint as the manager sees it (``mgr.checkpoints()``)."""
-
-    step: int
-    status: str
-    """``"committed"``, ``"queued"`` or ``"writing"``."""
-    path: Path | None
-    metrics: Mapping[str, float | None]
-    pinned: bool
-    kept_because: tuple[str, ...]
-    """Why retention keeps it; empty for one the next prune removes."""
-
-
-@dataclass
-class _Committed:
-    path: Path
-    record: Record
-
-    def info(self) -> CheckpointInfo:
-        r = self.record
-        return CheckpointInfo(r.step, r.metrics, r.time, r.pinned)
 
 
 class CheckpointManager:
@@ -174,12 +140,7 @@ class CheckpointManager:
         self._parts = Participants.create(timeout=timeout)
         self._closed = False
 
-        self._view_lock = threading.Lock()
-        self._committed: dict[int, _Committed] = {}
-        self._latest: int | None = None
-        self._jobs: list[SaveJob] = []  # queued and writing, in submission order
-        self._failures: dict[int, CheckpointError] = {}  # seq -> error not yet raised
-        self._reported: set[int] = set()
+        self._view = SaveView()
         self._seq = 0
 
         self._lock: SidecarLock | None = None
@@ -212,17 +173,15 @@ class CheckpointManager:
             logger.info("collecting %d interrupted save(s) from %s", len(abandoned), self.root)
         catalog = scan(self.root)
         for entry in catalog.entries:
-            if entry.committed:
-                assert entry.record is not None
-                self._committed[entry.step] = _Committed(entry.path, entry.record)
-            else:
+            if not entry.committed:
                 logger.warning(
                     "safeckpt: ignoring %s: %s. It is neither loaded nor pruned; delete it if it "
                     "is not yours.",
                     entry.path,
                     entry.problem,
                 )
-        self._latest = catalog.latest_step
+        committed = [Committed(e.path, e.record) for e in catalog.entries if e.record and e.committed]
+        self._view.load(committed, catalog.latest_step)
         self._deleter = Deleter(self._layout, self._lock, self._ops, retry_interval=retry_interval)
         self._deleter.start()
         self._deleter.schedule()
@@ -287,11 +246,14 @@ class CheckpointManager:
                 job.release_staging(self._pool)
             raise
         assert job is not None
-        with self._view_lock:
-            self._jobs.append(job)
+        self._view.add(job)
         if self._writer is not None:
             self._writer.submit(job)
-            self._plan_cancellations()
+            if self._parts.is_leader:
+                for cancelled in self._view.cancel_out_of_retention(self._policy):
+                    logger.info(
+                        "safeckpt: cancelling queued save of step %d (out of retention)", cancelled.step
+                    )
         else:
             self._persist(job)
             self._conclude(None, what=f"save of step {step}", step=step)
@@ -356,9 +318,7 @@ class CheckpointManager:
             )
 
     def _check_order(self, step: int, overwrite: bool) -> None:
-        with self._view_lock:
-            known = set(self._committed) | {j.step for j in self._jobs}
-        newest = max(known, default=None)
+        newest = self._view.newest_step()
         if newest is not None and step < newest and not overwrite:
             raise InvalidSaveError(
                 f"save(step={step}): step {newest} is already saved in {self.root}, and saving an "
@@ -391,8 +351,7 @@ class CheckpointManager:
         A background save that failed is raised first, once (it is then cleared
         on every rank); otherwise ``error`` from any rank.
         """
-        with self._view_lock:
-            mine = dict(self._failures)
+        mine = self._view.unraised()
         gathered = self._parts.gather(
             (_portable(error), {seq: _portable(e) for seq, e in mine.items()}),
             self._parts.control,
@@ -402,10 +361,7 @@ class CheckpointManager:
         for _, theirs in gathered:
             for seq, e in theirs.items():
                 failures.setdefault(seq, e)
-        with self._view_lock:
-            for seq in failures:
-                self._failures.pop(seq, None)
-                self._reported.add(seq)
+        self._view.raised(failures)
         if failures:
             first = failures[min(failures)]
             if len(failures) > 1:
@@ -421,30 +377,6 @@ class CheckpointManager:
             raise error
         raise agreed_error(errors, what=what, step=step)
 
-    def _plan_cancellations(self) -> None:
-        """Rank 0: cancel queued saves that retention drops, given everything in flight.
-
-        The newest save is never cancelled (it becomes ``latest``), nor one
-        being written; a committed checkpoint is pruned only after commits.
-        """
-        if not self._parts.is_leader:
-            return
-        with self._view_lock:
-            if not self._jobs:
-                return
-            pending_steps = {j.step for j in self._jobs}
-            infos = [c.info() for s, c in self._committed.items() if s not in pending_steps]
-            infos += [j.info() for j in self._jobs]
-            protected = {j.step for j in self._jobs if j.status == WRITING}
-            protected.add(self._jobs[-1].step)
-            if self._latest is not None:
-                protected.add(self._latest)
-            drop = plan_removals(_dedupe(infos), self._policy, protected)
-            for job in self._jobs:
-                if job.status == QUEUED and job.step in drop and not job.cancel_requested:
-                    job.cancel_requested = True
-                    logger.info("safeckpt: cancelling queued save of step %d (out of retention)", job.step)
-
     def _persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
 
@@ -457,30 +389,18 @@ class CheckpointManager:
             if job.committed_here:
                 # Every rank had reported its shards durable and rank 0 committed: the
                 # checkpoint is whole. The lost rank is still news for every caller.
-                with self._view_lock:
-                    job.status = COMMITTED
-                    self._remove_job(job)
-                    self._failures[job.seq] = e
+                self._view.finish(job, COMMITTED, e)
                 logger.error("safeckpt: %s", e)
             else:
                 if self._parts.is_leader:
                     self._discard_staging(job.staging_dir)
-                with self._view_lock:
-                    job.status, job.error = FAILED, e
-                    self._remove_job(job)
-                    if job.seq not in self._reported:
-                        self._failures[job.seq] = e
+                self._view.finish(job, FAILED, e)
                 logger.error("safeckpt: step %d was not committed: %s", job.step, e)
 
     def _write_and_commit(self, job: SaveJob) -> None:
         parts = self._parts
         cancel = parts.broadcast(job.cancel_requested, parts.writer, what=f"cancelling step {job.step}")
-        with self._view_lock:
-            if cancel:
-                job.status = CANCELLED
-                self._remove_job(job)
-            else:
-                job.status = WRITING
+        self._view.start(job, cancel)
         if cancel:
             job.release_staging(self._pool)
             return
@@ -511,9 +431,7 @@ class CheckpointManager:
         if failed:
             self._fail(job, failed, error)
             return
-        with self._view_lock:
-            job.status = COMMITTED
-            self._remove_job(job)
+        self._view.finish(job, COMMITTED)
         logger.info(
             "safeckpt: committed step %d in %.2f s (write %.2f s)",
             job.step,
@@ -528,41 +446,15 @@ class CheckpointManager:
         parts = self._parts
         if parts.is_leader:
             self._discard_staging(job.staging_dir)
-        detail = "; ".join(f"rank {r}: {_describe(e)}" for r, e in sorted(failed.items()))
-        try:
-            free = shutil.disk_usage(self.root).free
-            detail += f" (free space where the root is: {_human(free)})"
-        except OSError:
-            pass
-        with self._view_lock:
-            latest = self._latest
-        where = "" if not parts.distributed else f" on rank(s) {sorted(failed)}"
-        if not parts.is_leader:
-            pointer = "`latest` is unchanged"
+            latest = self._view.latest
+            pointer = f"still names {'step ' + str(latest) if latest is not None else 'nothing'}"
         else:
-            pointer = f"`latest` still names {'step ' + str(latest) if latest is not None else 'nothing'}"
-        error = SaveFailedError(
-            f"the save of step {job.step} failed{where}: {detail}. Nothing of it was committed; "
-            f"{pointer} and earlier checkpoints are untouched. Fix the cause (disk space, "
-            "permissions, the state) and save again.",
-            step=job.step,
-            path=str(self._layout.step_dir(job.step)),
-            cause=own or failed[min(failed)],
-            failures={r: _describe(e) for r, e in failed.items()},
+            pointer = "is unchanged"
+        error = save_failed(
+            job.step, failed, own=own, root=self.root, latest=pointer, distributed=parts.distributed
         )
-        error.__cause__ = own or failed[min(failed)]
-        with self._view_lock:
-            job.status = FAILED
-            job.error = error
-            self._remove_job(job)
-            if job.seq not in self._reported:
-                self._failures[job.seq] = error
+        self._view.finish(job, FAILED, error)
         logger.error("safeckpt: %s", error)
-
-    def _remove_job(self, job: SaveJob) -> None:
-        """Drop ``job`` from the in-flight list (caller holds the view lock)."""
-        if job in self._jobs:
-            self._jobs.remove(job)
 
     def _discard_staging(self, staging_dir: Path) -> None:
         try:
@@ -601,9 +493,7 @@ class CheckpointManager:
                 self._ops,
             )
             swap_pointer(layout.latest_path, step_dirname(job.step), self._ops)
-            with self._view_lock:
-                self._committed[job.step] = _Committed(target, record)
-                self._latest = job.step
+            self._view.commit(Committed(target, record))
             job.committed_here = True
         if replaced and self._deleter is not None:
             self._deleter.schedule()
@@ -611,8 +501,7 @@ class CheckpointManager:
     def _register(self, step: int) -> None:
         if self.registrar is None:
             return
-        with self._view_lock:
-            entry = self._committed.get(step)
+        entry = self._view.get(step)
         if entry is None:
             return
         try:
@@ -630,9 +519,7 @@ class CheckpointManager:
         try:
             assert self._lock is not None
             record = amend_record(entry.path, self._lock, self._ops, registration=registration)
-            with self._view_lock:
-                if step in self._committed:
-                    self._committed[step] = _Committed(entry.path, record)
+            self._view.update(Committed(entry.path, record))
         except Exception as e:
             logger.warning("safeckpt: could not record the registration of step %d: %s", step, e)
 
@@ -644,12 +531,7 @@ class CheckpointManager:
         """
         assert self._lock is not None
         self._refresh_pins()
-        with self._view_lock:
-            infos = [c.info() for c in self._committed.values()]
-            protected = {j.step for j in self._jobs}
-            if self._latest is not None:
-                protected.add(self._latest)
-            drop = plan_removals(infos, self._policy, protected)
+        drop = self._view.prune_plan(self._policy)
         removed = []
         for step in sorted(drop):
             try:
@@ -664,26 +546,21 @@ class CheckpointManager:
 
     def _refresh_pins(self) -> None:
         """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""
-        with self._view_lock:
-            pinned = [(s, c.path) for s, c in self._committed.items() if c.record.pinned]
-        for step, path in pinned:
+        for entry in self._view.pinned():
             try:
-                record = read_record(path)
+                record = read_record(entry.path)
             except IncompleteCheckpointError:
                 continue
             if record is not None and not record.pinned:
-                with self._view_lock:
-                    if step in self._committed:
-                        self._committed[step] = _Committed(path, record)
+                self._view.update(Committed(entry.path, record))
 
     def _trash_one(self, step: int) -> bool:
         assert self._lock is not None
         moved, record = discard_checkpoint(self._layout, self._lock, self._ops, step)
-        with self._view_lock:
-            if moved:
-                self._committed.pop(step, None)
-            elif record is not None and step in self._committed:
-                self._committed[step] = _Committed(self._layout.step_dir(step), record)
+        if moved:
+            self._view.forget(step)
+        elif record is not None:
+            self._view.update(Committed(self._layout.step_dir(step), record))
         return moved
 
     # --- pins and views -----------------------------------------------------------
@@ -701,13 +578,9 @@ class CheckpointManager:
         step = _validate_step(step)
         if not self._parts.is_leader:
             return
-        with self._view_lock:
-            entry = self._committed.get(step)
-            jobs = [j for j in self._jobs if j.step == step]
-            for job in jobs:
-                job.pinned = pinned
-                job.cancel_requested = job.cancel_requested and not pinned
-        if entry is None and not jobs:
+        entry = self._view.get(step)
+        in_flight = self._view.pin_jobs(step, pinned)
+        if entry is None and not in_flight:
             raise CheckpointNotFoundError(
                 f"there is no checkpoint of step {step} in {self.root} to "
                 f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",
@@ -717,41 +590,18 @@ class CheckpointManager:
         if entry is not None:
             assert self._lock is not None
             record = amend_record(entry.path, self._lock, self._ops, pinned=pinned)
-            with self._view_lock:
-                self._committed[step] = _Committed(entry.path, record)
+            self._view.update(Committed(entry.path, record))
         if not pinned:
             self._prune()
 
     @property
     def latest_step(self) -> int | None:
         """The step ``latest`` names (rank 0's view), or None."""
-        with self._view_lock:
-            return self._latest
+        return self._view.latest
 
     def checkpoints(self) -> list[CheckpointStatus]:
         """Committed and in-flight checkpoints, by step, with why each is kept (rank 0)."""
-        with self._view_lock:
-            committed = dict(self._committed)
-            jobs = list(self._jobs)
-            latest = self._latest
-        infos = [c.info() for c in committed.values()]
-        protected = {latest: "latest"} if latest is not None else {}
-        reasons = explain(infos, self.retention, protected)
-        out = [
-            CheckpointStatus(
-                step,
-                COMMITTED,
-                c.path,
-                dict(c.record.metrics),
-                c.record.pinned,
-                tuple(reasons.get(step, ())),
-            )
-            for step, c in committed.items()
-        ]
-        out += [
-            CheckpointStatus(j.step, j.status, None, dict(j.metrics), j.pinned, ("in flight",)) for j in jobs
-        ]
-        return sorted(out, key=lambda s: (s.step, s.status != COMMITTED))
+        return self._view.statuses(self.retention)
 
     # --- restoring ------------------------------------------------------------------
 
@@ -814,25 +664,6 @@ class CheckpointManager:
         self._writer.wait_idle(timeout=self._parts.timeout)
 
 
-def _describe(error: BaseException) -> str:
-    """One line for an error; DCP's CheckpointException is unwrapped to each rank's cause."""
-    if isinstance(error, CheckpointException):
-        causes = []
-        for rank, failure in sorted(error.failures.items()):
-            cause = failure[0] if isinstance(failure, tuple) else failure
-            causes.append(f"DCP rank {rank}: {type(cause).__name__}: {cause}")
-        return "; ".join(causes) or str(error)
-    return f"{type(error).__name__}: {error}"
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _validate_step(step: Any) -> int:
     if isinstance(step, bool):
         raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}.")
@@ -856,12 +687,6 @@ def _int_or_none(step: Any) -> int | None:
         return _validate_step(step)
     except CheckpointError:
         return None
-
-
-def _dedupe(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-    """One info per step, the last one given (a re-save supersedes the earlier copy)."""
-    by_step = {info.step: info for info in infos}
-    return list(by_step.values())
 
 
 def _register_atexit(manager: CheckpointManager) -> Any:

@@ -1,0 +1,210 @@
+"""The one view of saves that the writer and retention share.
+
+Every save is queued, writing, committed, cancelled or failed, and both the
+background writer and retention act on this view, under its lock: a removal
+is a decision about the view, never a blind ``rm`` of a path. Rank 0's view is
+authoritative; the other ranks track only their own jobs and failures.
+
+Lock order: the sidecar lock may be held when the view lock is taken, never
+the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+from .record import Record
+from .retention import CheckpointInfo, Policy, Retention, explain, plan_removals
+from .writer import CANCELLED, COMMITTED, QUEUED, WRITING, SaveJob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """A checkpoint as the manager sees it (``mgr.checkpoints()``)."""
+
+    step: int
+    status: str
+    """``"committed"``, ``"queued"`` or ``"writing"``."""
+    path: Path | None
+    metrics: Mapping[str, float | None]
+    pinned: bool
+    kept_because: tuple[str, ...]
+    """Why retention keeps it; empty for one the next prune removes."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    path: Path
+    record: Record
+
+    def info(self) -> CheckpointInfo:
+        r = self.record
+        return CheckpointInfo(r.step, r.metrics, r.time, r.pinned)
+
+
+class SaveView:
+    """Committed checkpoints, ``latest``, saves in flight and failures not yet raised."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._committed: dict[int, Committed] = {}
+        self._latest: int | None = None
+        self._jobs: list[SaveJob] = []  # queued and writing, in submission order
+        self._failures: dict[int, CheckpointError] = {}  # seq -> error not raised yet
+        self._reported: set[int] = set()
+
+    # --- committed checkpoints ---------------------------------------------------
+
+    def load(self, committed: Iterable[Committed], latest: int | None) -> None:
+        with self._lock:
+            self._committed = {c.record.step: c for c in committed}
+            self._latest = latest if latest in self._committed else None
+
+    @property
+    def latest(self) -> int | None:
+        with self._lock:
+            return self._latest
+
+    def get(self, step: int) -> Committed | None:
+        with self._lock:
+            return self._committed.get(step)
+
+    def commit(self, entry: Committed) -> None:
+        """``entry`` is committed and ``latest`` names it."""
+        with self._lock:
+            self._committed[entry.record.step] = entry
+            self._latest = entry.record.step
+
+    def update(self, entry: Committed) -> None:
+        """A committed checkpoint's record changed (pin, registration); ignored if it is gone."""
+        with self._lock:
+            if entry.record.step in self._committed:
+                self._committed[entry.record.step] = entry
+
+    def forget(self, step: int) -> None:
+        with self._lock:
+            self._committed.pop(step, None)
+
+    def pinned(self) -> list[Committed]:
+        with self._lock:
+            return [c for c in self._committed.values() if c.record.pinned]
+
+    # --- saves in flight ---------------------------------------------------------------
+
+    def newest_step(self) -> int | None:
+        """The highest step committed or in flight."""
+        with self._lock:
+            known = set(self._committed) | {j.step for j in self._jobs}
+        return max(known, default=None)
+
+    def add(self, job: SaveJob) -> None:
+        with self._lock:
+            self._jobs.append(job)
+
+    def start(self, job: SaveJob, cancel: bool) -> None:
+        """The writer picked ``job`` up: it is cancelled (and leaves the view) or being written."""
+        with self._lock:
+            job.status = CANCELLED if cancel else WRITING
+            if cancel:
+                self._drop(job)
+
+    def finish(self, job: SaveJob, status: str, error: CheckpointError | None = None) -> None:
+        """``job`` left flight as ``status``; an ``error`` is kept until it is raised."""
+        with self._lock:
+            job.status = status
+            job.error = error
+            self._drop(job)
+            if error is not None and job.seq not in self._reported:
+                self._failures[job.seq] = error
+
+    def pin_jobs(self, step: int, pinned: bool) -> bool:
+        """Pin (or unpin) the saves of ``step`` in flight; whether there were any."""
+        with self._lock:
+            jobs = [j for j in self._jobs if j.step == step]
+            for job in jobs:
+                job.pinned = pinned
+                if pinned:
+                    job.cancel_requested = False
+            return bool(jobs)
+
+    def _drop(self, job: SaveJob) -> None:
+        if job in self._jobs:
+            self._jobs.remove(job)
+
+    # --- failures ------------------------------------------------------------------------
+
+    def unraised(self) -> dict[int, CheckpointError]:
+        with self._lock:
+            return dict(self._failures)
+
+    def raised(self, seqs: Iterable[int]) -> None:
+        """These failures were raised (on some rank): never raise them again."""
+        with self._lock:
+            for seq in seqs:
+                self._failures.pop(seq, None)
+                self._reported.add(seq)
+
+    # --- retention decisions ---------------------------------------------------------------
+
+    def cancel_out_of_retention(self, policy: Policy) -> list[SaveJob]:
+        """Mark queued saves that ``policy`` drops, given everything in flight; the ones marked.
+
+        The newest save is never cancelled (it becomes ``latest``), nor one
+        being written, nor the checkpoint ``latest`` names.
+        """
+        with self._lock:
+            if not self._jobs:
+                return []
+            pending = {j.step for j in self._jobs}
+            infos = {c.record.step: c.info() for s, c in self._committed.items() if s not in pending}
+            infos.update({j.step: j.info() for j in self._jobs})  # a re-save supersedes
+            protected = {j.step for j in self._jobs if j.status == WRITING}
+            protected.add(self._jobs[-1].step)
+            if self._latest is not None:
+                protected.add(self._latest)
+            drop = plan_removals(list(infos.values()), policy, protected)
+            marked = [
+                j for j in self._jobs if j.status == QUEUED and j.step in drop and not j.cancel_requested
+            ]
+            for job in marked:
+                job.cancel_requested = True
+            return marked
+
+    def prune_plan(self, policy: Policy) -> frozenset[int]:
+        """Committed steps ``policy`` drops, judged by committed checkpoints only.
+
+        Never ``latest`` nor a step with a save in flight: a checkpoint is not
+        removed because of saves that may still fail.
+        """
+        with self._lock:
+            infos = [c.info() for c in self._committed.values()]
+            protected = {j.step for j in self._jobs}
+            if self._latest is not None:
+                protected.add(self._latest)
+            return plan_removals(infos, policy, protected)
+
+    def statuses(self, retention: Retention) -> list[CheckpointStatus]:
+        """Committed and in-flight checkpoints, by step, with why each is kept."""
+        with self._lock:
+            committed = dict(self._committed)
+            jobs = list(self._jobs)
+            latest = self._latest
+        infos = [c.info() for c in committed.values()]
+        reasons = explain(infos, retention, {latest: "latest"} if latest is not None else {})
+        out = [
+            CheckpointStatus(
+                step, COMMITTED, c.path, dict(c.record.metrics), c.record.pinned, tuple(reasons[step])
+            )
+            for step, c in committed.items()
+        ]
+        out += [
+            CheckpointStatus(j.step, j.status, None, dict(j.metrics), j.pinned, ("in flight",)) for j in jobs
+        ]
+        return sorted(out, key=lambda s: (s.step, s.status != COMMITTED))
