@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["fs_fixtures"]
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

@@ -4,11 +4,14 @@ Not imported by ``import safeckpt``; ``mfusepy`` is imported only by the
 filesystem process itself.
 """
 
+from .counting import CleanupPass, CountingFileOps
 from .holder import FileHolder, Hold, hold_open
 from .nfs import NFSMount, NFSMountError, fuse_unavailable_reason, is_mounted, mount_nfs
 from .nfsfs import Linger, NFSConfig
 
 __all__ = [
+    "CleanupPass",
+    "CountingFileOps",
     "FileHolder",
     "Hold",
     "Linger",

@@ -9,8 +9,8 @@ says which is missing.
     with mount_nfs(tmp / "backing", tmp / "mnt", linger=Linger.constant(0.2)) as nfs:
         ...  # use nfs.path; nfs.stats(), nfs.configure(ebusy_rmdir_next=2)
 
-Also ``python -m safeckpt.testing.nfs BACKING MOUNTPOINT --config JSON`` serves in
-the foreground.
+Also ``python -m safeckpt.testing BACKING MOUNTPOINT --config JSON`` serves in the
+foreground (stop it with ``fusermount3 -u MOUNTPOINT`` or by closing its stdin).
 """
 
 from __future__ import annotations
@@ -260,12 +260,3 @@ def _unmount(mount_path: Path, process: subprocess.Popen[str], stderr: Any) -> N
             f"could not unmount {mount_path} ({'; '.join(problems)}); run `fusermount3 -uz {mount_path}`. "
             f"The filesystem's stderr:\n{_stderr_text(stderr)}"
         )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m safeckpt.testing.nfs BACKING MOUNTPOINT --config JSON``: serve in the foreground."""
-    return nfsfs.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

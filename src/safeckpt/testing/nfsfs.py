@@ -26,7 +26,7 @@ What it emulates, on top of a passthrough of every operation to BACKING:
 Control, while mounted: one JSON object a line on stdin, one JSON reply a line
 on stdout: ``{"op": "set", ...NFSConfig fields}``, ``{"op": "stats"}``,
 ``{"op": "wait_idle", "timeout": s}``. End of stdin (the parent went away)
-unmounts the filesystem lazily, so a killed test run leaves no mount behind.
+ends the filesystem, and libfuse unmounts it: a killed test run leaves no mount behind.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import random
-import subprocess
+import signal
 import sys
 import threading
 import time
@@ -474,7 +474,12 @@ def _serve_control(ops: Any, mountpoint: str) -> None:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
-    subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True)
+    # libfuse's SIGTERM handler ends the session loop, and fuse_main then unmounts.
+    _stopping.set()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_stopping = threading.Event()
 
 
 def serve(backing: str, mountpoint: str, config: NFSConfig) -> None:
@@ -490,7 +495,11 @@ def serve(backing: str, mountpoint: str, config: NFSConfig) -> None:
 
     ops = _make_operations(backing, config)
     threading.Thread(target=_serve_control, args=(ops, mountpoint), name="nfs-control", daemon=True).start()
-    _FUSE(ops, mountpoint, foreground=True, fsname="safeckpt-nfs", subtype="safeckpt-nfs")
+    try:
+        _FUSE(ops, mountpoint, foreground=True, fsname="safeckpt-nfs", subtype="safeckpt-nfs")
+    except RuntimeError:
+        if not _stopping.is_set():  # libfuse reports the loop ended by our SIGTERM as an error
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
