@@ -31,6 +31,12 @@ from toy import make_state, same_weights, train_step, weights
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
+@pytest.fixture
+def root(root_dir: Path) -> Path:
+    """Every test here runs on local disk and again on the NFS-semantics filesystem."""
+    return root_dir
+
+
 def run(root: Path, steps: range, *, async_save: bool, save_every: int = 1, **kw: Any) -> dict[str, Any]:
     state = make_state()
     with CheckpointManager(root, async_save=async_save, **kw) as mgr:
@@ -406,3 +412,33 @@ def test_closed_manager_refuses_work_and_close_is_idempotent(root: Path) -> None
 def test_bad_configuration_is_refused(root: Path, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         CheckpointManager(root, **kwargs)
+
+
+def _open_files_under(path: Path) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
+
+
+def test_close_lets_go_of_every_file_under_the_root(root: Path) -> None:
+    """A file left open keeps a .nfs entry alive on NFS and makes an unmount busy."""
+    with CheckpointManager(root, retention=Retention(keep_last=1)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state())
+        assert _open_files_under(root)  # the sidecar lock is open while the manager works
+    assert _open_files_under(root) == []
+
+
+def test_a_stray_file_in_staging_does_not_hold_up_close(root: Path) -> None:
+    root.mkdir(parents=True)
+    (root / ".staging").mkdir()
+    (root / ".staging" / "junk").write_bytes(b"not a save")
+    with CheckpointManager(root, drain_timeout=3600) as mgr:
+        mgr.save(1, make_state())
+    assert list((root / ".staging").iterdir()) == [] and list((root / ".trash").iterdir()) == []

@@ -356,3 +356,10 @@ def test_non_json_values_are_refused_naming_where(value: Any, where: str, why: s
     assert f"but {where} is not" in message
     assert why in message
     assert "nothing was written" in message
+
+
+def test_list_files_leaves_out_nfs_silly_rename_files(tmp_path: Path) -> None:
+    (tmp_path / "__0_0.distcp").write_bytes(b"abc")
+    (tmp_path / ".nfs000000000001").write_bytes(b"old copy still open elsewhere")
+    (tmp_path / ".fuse_hidden0000000a00000001").write_bytes(b"same, on FUSE")
+    assert list_files(tmp_path) == {"__0_0.distcp": 3}

@@ -280,6 +280,24 @@ def test_drain_gives_up_after_its_budget_and_says_what_is_left(
     assert any("drain budget" in rec.message and stuck.name in rec.message for rec in caplog.records)
 
 
+def test_drain_does_not_wait_for_errors_that_will_not_clear(
+    r: Root, caplog: pytest.LogCaptureFixture
+) -> None:
+    denied = r.trash_dir(1)
+    r.ops.fail("rmtree", errno.EACCES, times=None, match=denied.name)
+    assert r.deleter.drain(timeout=3600) == [denied]
+    assert r.deleter.passes == 1 and r.ops.sleeps == []
+    assert any(denied.name in rec.message and "stays in the trash" in rec.message for rec in caplog.records)
+
+
+def test_a_stray_file_in_the_trash_is_removed(r: Root) -> None:
+    stray = r.layout.new_trash_path(0, "abandoned")
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(b"not a directory")
+    assert r.deleter.drain(timeout=5) == []
+    assert not stray.exists()
+
+
 def test_drain_of_an_empty_trash_makes_no_call(r: Root) -> None:
     assert r.deleter.drain(timeout=5) == []
     assert r.ops.calls == []

@@ -19,7 +19,9 @@ from .fileops import FileOps
 # Filesystems without symlinks (some FUSE, SMB and object-store mounts) say so
 # with one of these; ``latest`` then becomes a small file naming the directory.
 _NO_SYMLINK = {errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
-_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+# RENAME_EXCHANGE never legitimately fails with ENOTEMPTY or EEXIST: those come from
+# a FUSE filesystem that drops the flag and attempts a plain rename.
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTEMPTY, errno.EEXIST}
 
 
 def _temp_sibling(path: Path) -> Path:

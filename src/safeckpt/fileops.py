@@ -88,8 +88,11 @@ class FileOps:
         os.symlink(target, link)
 
     def rmtree(self, path: Path) -> None:
-        """Remove a directory tree; errors propagate (the caller retries)."""
-        shutil.rmtree(path)
+        """Remove a directory tree (or a lone file or link); errors propagate (the caller retries)."""
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
 
     def sleep(self, seconds: float) -> None:
         """Wait between removal retries (a seam so tests can count the waits)."""

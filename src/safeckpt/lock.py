@@ -43,6 +43,9 @@ class _RootLock:
     def fd(self) -> int | None:
         return self._fd_box[0] if self._fd_box else None
 
+    def close_fd(self) -> None:
+        _close_fds(self._fd_box)
+
     def open_fd(self) -> int:
         if not self._fd_box:
             self._fd_box.append(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
@@ -81,6 +84,17 @@ class SidecarLock:
         self._lock = _root_lock(lock_path)
         self.path = lock_path
         self.timeout = timeout
+
+    def close(self) -> None:
+        """Close the lock file if no thread holds the lock (the next acquire reopens it).
+
+        A lock file left open keeps a `.nfsXXXX` entry alive on NFS once the root
+        is removed, and makes an unmount busy.
+        """
+        lock = self._lock
+        with lock.thread_lock:
+            if lock.depth == 0:
+                lock.close_fd()
 
     def held(self) -> bool:
         """Whether the calling thread holds this lock (for assertions and tests)."""

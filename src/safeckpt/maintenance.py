@@ -60,6 +60,21 @@ def prune(
     if not layout.root.is_dir():
         raise CheckpointNotFoundError(f"{layout.root} is not a directory.", path=str(layout.root))
     lock = SidecarLock(layout.lock_path)
+    try:
+        return _prune_locked(layout, lock, ops, retention, dry_run=dry_run, drain_timeout=drain_timeout)
+    finally:
+        lock.close()
+
+
+def _prune_locked(
+    layout: Layout,
+    lock: SidecarLock,
+    ops: FileOps,
+    retention: Retention,
+    *,
+    dry_run: bool,
+    drain_timeout: float,
+) -> PruneResult:
     result = PruneResult()
     if not dry_run:
         recover_interrupted_replacements(layout, lock, ops)
@@ -84,7 +99,11 @@ def set_pinned(
     path = layout.step_dir(step)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"there is no checkpoint of step {step} in {layout.root}.", step=step)
-    return amend_record(path, SidecarLock(layout.lock_path), file_ops or DEFAULT_FILE_OPS, pinned=pinned)
+    lock = SidecarLock(layout.lock_path)
+    try:
+        return amend_record(path, lock, file_ops or DEFAULT_FILE_OPS, pinned=pinned)
+    finally:
+        lock.close()
 
 
 def verify(root: str | os.PathLike[str], step: int | None = None) -> dict[int, list[str]]:

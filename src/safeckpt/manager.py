@@ -293,6 +293,8 @@ class CheckpointManager:
             if self._deleter is not None:
                 self._deleter.drain(self.drain_timeout)
                 self._deleter.close()
+            if self._lock is not None:
+                self._lock.close()
             _unregister_atexit(self._atexit)
         self._conclude(error, what="close()")
 
@@ -457,13 +459,11 @@ class CheckpointManager:
         logger.error("safeckpt: %s", error)
 
     def _discard_staging(self, staging_dir: Path) -> None:
-        try:
-            if staging_dir.exists():
-                assert self._lock is not None
-                with self._lock:
-                    self._ops.rmtree(staging_dir)
-        except OSError as e:
-            logger.warning("safeckpt: could not remove %s (%s); the next start collects it", staging_dir, e)
+        """Move a failed save's staging directory to the trash; the deleter retries its removal."""
+        assert self._lock is not None and self._deleter is not None
+        moved = collect_abandoned_staging(self._layout, self._lock, self._ops, only=staging_dir)
+        if moved:
+            self._deleter.schedule()
 
     def _commit(self, job: SaveJob) -> None:
         """Rank 0, under the sidecar lock: record, rename into place, move ``latest``."""

@@ -175,11 +175,18 @@ def amend_record(checkpoint_dir: Path, lock: SidecarLock, ops: FileOps, **change
         return amended
 
 
+# Hidden files a network or FUSE filesystem keeps for a deleted file that is still
+# open (NFS silly rename); they vanish on their own and are no part of a checkpoint.
+_TRANSIENT_PREFIXES = (".nfs", ".fuse_hidden")
+
+
 def list_files(checkpoint_dir: Path) -> dict[str, int]:
-    """Every file under ``checkpoint_dir`` except the record, with its size."""
+    """Every file under ``checkpoint_dir`` except the record and NFS silly-rename files, with sizes."""
     files: dict[str, int] = {}
     for dirpath, _dirnames, filenames in os.walk(checkpoint_dir):
         for name in filenames:
+            if name.startswith(_TRANSIENT_PREFIXES):
+                continue
             full = Path(dirpath) / name
             rel = full.relative_to(checkpoint_dir).as_posix()
             if rel != RECORD_NAME:

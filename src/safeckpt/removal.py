@@ -187,13 +187,16 @@ class Deleter:
             if not result.remaining:
                 return []
             left = deadline - time.monotonic()
-            if left <= 0:
+            # Only transient errors (a .nfs file still open somewhere) are worth waiting for;
+            # a permission error or a read-only filesystem will not clear within the budget.
+            waiting = any(e is not None and _transient(e, p) for p, e in result.remaining.items())
+            if left <= 0 or not waiting:
                 for entry, error in result.remaining.items():
                     logger.warning(
-                        "safeckpt: %s could not be deleted within the %.1f s drain budget (%s); "
-                        "the next start of a manager on this root deletes it",
+                        "safeckpt: %s could not be deleted%s (%s); it stays in the trash, out of "
+                        "resume's way, and the next cleanup tries again",
                         entry,
-                        timeout,
+                        f" within the {timeout:.1f} s drain budget" if waiting else "",
                         error,
                     )
                 return list(result.remaining)
@@ -267,14 +270,20 @@ def recover_interrupted_replacements(layout: Layout, lock: SidecarLock, ops: Fil
     return restored
 
 
-def collect_abandoned_staging(layout: Layout, lock: SidecarLock, ops: FileOps) -> list[Path]:
-    """Move every ``.staging`` leftover into the trash. Only at start, before any save.
+def collect_abandoned_staging(
+    layout: Layout, lock: SidecarLock, ops: FileOps, *, only: Path | None = None
+) -> list[Path]:
+    """Move ``.staging`` leftovers (or just ``only``) into the trash; the trash paths.
 
-    Holds the sidecar lock. Returns the trash paths.
+    Every leftover only at start, before any save; ``only`` for a save that
+    failed. Holds the sidecar lock. An entry already gone is skipped.
     """
     moved = []
     with lock:
-        for entry in layout.staging_entries():
+        entries = [only] if only is not None else layout.staging_entries()
+        for entry in entries:
+            if not os.path.lexists(entry):
+                continue
             step = parse_staging_name(entry.name)
             target = layout.new_trash_path(step if step is not None else 0, ABANDONED)
             os.makedirs(layout.trash, exist_ok=True)
