@@ -143,24 +143,11 @@ def one_rank_fails(rank: int, ws: int, root: Path, results: Path, async_save: bo
     return out
 
 
-def one_rank_killed(rank: int, ws: int, root: Path, results: Path, timeout: float) -> dict[str, Any]:
+def one_rank_lost(rank: int, ws: int, root: Path, results: Path, timeout: float, how: str) -> dict[str, Any]:
+    """Rank 1 dies (``how="killed"``) or stops answering (``"hangs"``) in the save of step 2."""
     state = build(ws)
-    ops = RankFaults(step=2, kill=True) if rank == 1 else FileOps()
-    mgr = CheckpointManager(root, file_ops=ops, timeout=timeout)
-    mgr.save(1, state)
-    mgr.wait()
-    started = time.monotonic()
-    try:
-        mgr.save(2, state)
-        mgr.wait()
-        return {"error": None}
-    except Exception as e:
-        return {"error": _describe(e), "seconds": time.monotonic() - started}
-
-
-def one_rank_hangs(rank: int, ws: int, root: Path, results: Path, timeout: float) -> dict[str, Any]:
-    state = build(ws)
-    ops = RankFaults(step=2, hang=timeout * 3) if rank == 1 else FileOps()
+    faults = RankFaults(step=2, kill=how == "killed", hang=timeout * 3 if how == "hangs" else 0.0)
+    ops = faults if rank == 1 else FileOps()
     mgr = CheckpointManager(root, file_ops=ops, timeout=timeout)
     mgr.save(1, state)
     mgr.wait()
@@ -188,8 +175,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
         restore_sharded,
         async_retention,
         one_rank_fails,
-        one_rank_killed,
-        one_rank_hangs,
+        one_rank_lost,
         stale_view_restore,
     )
 }
@@ -221,7 +207,7 @@ def main(
         )
         raise
     finally:
-        if ws > 1 and dist.is_initialized() and scenario not in ("one_rank_killed", "one_rank_hangs"):
+        if ws > 1 and dist.is_initialized() and scenario != "one_rank_lost":
             dist.destroy_process_group()
-    if scenario in ("one_rank_killed", "one_rank_hangs"):
+    if scenario == "one_rank_lost":
         os._exit(0)  # the gloo group is broken; do not wait on it at exit

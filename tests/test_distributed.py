@@ -104,7 +104,7 @@ def test_one_rank_failing_its_write_fails_the_save_on_every_rank(tmp_path: Path,
 
 def test_a_rank_killed_mid_save_makes_the_others_raise_and_a_relaunch_resumes(tmp_path: Path) -> None:
     root, results = tmp_path / "ckpt", tmp_path / "results"
-    reports = launch("one_rank_killed", 2, root, results, timeout=20.0)
+    reports = launch("one_rank_lost", 2, root, results, timeout=20.0, how="killed")
     assert reports[1]["ok"] is None and reports[1]["exitcode"] == -9  # it really died
     survivor = results_of(reports[:1])[0]
     assert survivor["error"] is not None, "the surviving rank must raise, not hang or succeed"
@@ -119,7 +119,7 @@ def test_a_rank_killed_mid_save_makes_the_others_raise_and_a_relaunch_resumes(tm
 
 def test_a_rank_that_stops_answering_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
     root, results = tmp_path / "ckpt", tmp_path / "results"
-    reports = launch("one_rank_hangs", 2, root, results, timeout=5.0)
+    reports = launch("one_rank_lost", 2, root, results, timeout=5.0, how="hangs")
     survivor = results_of(reports[:1])[0]
     assert survivor["error"] is not None and survivor["error"]["type"] == "RankAgreementError"
     assert "stopped answering within 5 s" in survivor["error"]["message"]
