@@ -160,6 +160,30 @@ def one_rank_lost(rank: int, ws: int, root: Path, results: Path, timeout: float,
         return {"error": _describe(e), "seconds": time.monotonic() - started}
 
 
+def leader_rejects_a_save(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
+    """Only rank 0 knows step 5 is saved, so only it rejects save(3); every rank must raise,
+    and the next save must still land whole."""
+    state = build(ws)
+    out: dict[str, Any] = {}
+    with CheckpointManager(root, timeout=60) as mgr:
+        mgr.save(5, state)
+        try:
+            mgr.save(3, state)
+        except Exception as e:
+            out["error"] = _describe(e)
+        train(state, rank, 1)
+        mgr.save(6, state)
+        mgr.wait()
+    fresh = build(ws, seed=9)
+    with CheckpointManager(root, timeout=60) as mgr:
+        out["restored"] = mgr.restore(fresh)
+    out["same"] = all(
+        torch.equal(a, b)
+        for a, b in zip(full_weights(state).values(), full_weights(fresh).values(), strict=True)
+    )
+    return out
+
+
 def stale_view_restore(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
     """Rank 1 looks at a stale copy of the root (its `latest` names step 1); rank 0 decides."""
     state = build(ws, seed=3)
@@ -176,6 +200,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
         async_retention,
         one_rank_fails,
         one_rank_lost,
+        leader_rejects_a_save,
         stale_view_restore,
     )
 }

@@ -137,3 +137,10 @@ def test_resume_decision_is_rank_0s(tmp_path: Path) -> None:
     (stale / "latest").symlink_to("step_1")
     out = results_of(launch("stale_view_restore", 2, root, results))
     assert out == [{"step": 3}, {"step": 3}]
+
+
+def test_a_save_only_rank_0_rejects_raises_everywhere_and_the_next_lands_whole(tmp_path: Path) -> None:
+    root, results = tmp_path / "ckpt", tmp_path / "results"
+    out = results_of(launch("leader_rejects_a_save", 2, root, results))
+    assert out[0]["error"] == out[1]["error"] and out[0]["error"]["type"] == "InvalidSaveError"
+    assert [o["restored"] for o in out] == [6, 6] and all(o["same"] for o in out)

@@ -208,6 +208,9 @@ class CheckpointManager:
         bad arguments, and raises a failed earlier background save here, once.
         """
         self._check_open()
+        # Every rank counts every call, also one that fails validation on one rank only:
+        # the sequence number names the staging directory all ranks write into.
+        self._seq += 1
         error: BaseException | None = None
         job: SaveJob | None = None
         try:
@@ -334,7 +337,6 @@ class CheckpointManager:
     def _new_job(
         self, step: int, train_state: bytes, metrics: dict[str, float | None], extra: dict[str, Any]
     ) -> SaveJob:
-        self._seq += 1
         token = f"{self._session}{self._seq % 0x1000000:06x}"
         return SaveJob(
             seq=self._seq,
