@@ -11,6 +11,7 @@ the classes DCP metadata is made of, and non-tensor values are loaded with
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from .errors import IncompleteCheckpointError, UnsafeCheckpointError
+from .storage import RawFileSystemReader, RawFileSystemWriter
 
 METADATA_NAME = ".metadata"
 
@@ -107,8 +109,11 @@ def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """A ``FileSystemReader`` whose ``.metadata`` goes through the restricted unpickler."""
+class _RestrictedMetadata:
+    """Reads ``.metadata`` through the restricted unpickler (mixed into a DCP reader)."""
+
+    path: Any
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_metadata(Path(self.path))
@@ -116,6 +121,21 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_RestrictedMetadata, RawFileSystemReader):
+    """Tensors read straight into their destination (``data.pkl`` through torch's
+    weights-only unpickler); ``.metadata`` through the restricted unpickler."""
+
+
+class SafeTorchFileSystemReader(_RestrictedMetadata, FileSystemReader):
+    """DCP's own reader, with ``.metadata`` through the restricted unpickler."""
+
+
+def _torch_io() -> bool:
+    """``SAFECKPT_DCP_IO=torch`` switches to DCP's own writer and reader (same files, slower):
+    a way around a problem in :mod:`safeckpt.storage` without changing code."""
+    return os.environ.get("SAFECKPT_DCP_IO", "raw").strip().lower() == "torch"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -147,7 +167,9 @@ def save(state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGrou
 
     Collective over ``group`` (every rank of it calls this with the same directory).
     """
-    writer = FileSystemWriter(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
+    # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
+    writer_class = FileSystemWriter if _torch_io() else RawFileSystemWriter
+    writer = writer_class(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
     dcp.save(dict(state_dict), storage_writer=writer, **_group_or_none(group))
 
 
@@ -162,7 +184,7 @@ def load(state_dict: dict[str, Any], directory: Path, group: dist.ProcessGroup |
     try:
         dcp.load(
             state_dict,
-            storage_reader=SafeFileSystemReader(directory),
+            storage_reader=(SafeTorchFileSystemReader if _torch_io() else SafeFileSystemReader)(directory),
             planner=SafeLoadPlanner(),
             **_group_or_none(group),
         )

@@ -160,7 +160,9 @@ class SaveView:
         being written, nor the checkpoint ``latest`` names.
         """
         with self._lock:
-            if not self._jobs:
+            # Only a queued save older than the newest can be marked. Without one (the usual
+            # case: one save in flight) there is nothing to decide: skip the O(checkpoints) plan.
+            if not any(j.status == QUEUED and not j.cancel_requested for j in self._jobs[:-1]):
                 return []
             pending = {j.step for j in self._jobs}
             infos = {c.record.step: c.info() for s, c in self._committed.items() if s not in pending}

@@ -1,0 +1,734 @@
+"""Single-process save and restore: safeckpt against raw limits and its peers (not a test).
+
+    .venv/bin/python benchmarks/bench_save.py                    # 1 GiB model + AdamW state, 7 reps
+    .venv/bin/python benchmarks/bench_save.py --size-gib 0.25    # a quick run
+    .venv/bin/python benchmarks/bench_save.py --only restore --reps 3 --json out.json
+
+Every value is a ratio against a limit measured in the same repetition (or, for
+the cleanup table, milliseconds against a baseline root measured in the same
+repetition). Repetitions are interleaved: the order of the variants rotates.
+The state is a transformer-shaped fp32 model (embedding, attention and MLP
+weights, layer norms) plus its AdamW moments; ``--size-gib`` is the size of
+the whole state.
+
+Sections (``--only``): ``async`` (blocking and durable time of an async save),
+``sync`` (a blocking save), ``restore`` (cold), ``inflation`` (compute steps/s
+while a save persists) and ``cleanup`` (retention bookkeeping in ``save()`` with
+10/100/1000 retained checkpoints).
+
+``safeckpt + storage.py`` rows run the manager with ``dcp_io`` wired to
+``safeckpt.storage`` (the proposed patch); they disappear once it is wired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (
+    GIB,
+    BenchState,
+    Report,
+    Table,
+    build_state,
+    evict,
+    filesystem_of,
+    fsync_path,
+    host_buffers,
+    machine,
+    memcpy,
+    raw_read,
+    raw_write,
+    rotated,
+    settle,
+    timed,
+)
+from safeckpt import CheckpointManager, Retention, dcp_io
+from safeckpt.atomic import swap_pointer
+from safeckpt.fileops import DEFAULT_FILE_OPS
+
+SECTIONS = ("async", "sync", "restore", "inflation", "cleanup")
+SAFECKPT = "safeckpt"
+PROPOSED = "safeckpt + storage.py"
+CLEANUP_COUNTS = (10, 100, 1000)
+
+
+# --- the bench -----------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """What every section shares: the state, its tensors, host buffers, a work directory."""
+
+    args: argparse.Namespace
+    work: Path
+    state: BenchState
+    names: list[str]
+    tensors: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    _counter: int = 0
+
+    @property
+    def flat(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.tensors, strict=True))
+
+    def fresh(self, name: str) -> Path:
+        """A new, unused path under the work directory."""
+        self._counter += 1
+        return self.work / f"{name}.{self._counter}"
+
+    @property
+    def raw_file(self) -> Path:
+        return self.work / "raw.bin"
+
+    def safeckpt_variants(self) -> list[tuple[str, bool]]:
+        """``(row name, proposed wiring)`` for the manager: as wired now, and with storage.py."""
+        return [(SAFECKPT, False)] + ([(PROPOSED, True)] if storage_available() else [])
+
+
+def storage_available() -> bool:
+    """Whether ``safeckpt.storage`` exists and ``dcp_io`` does not use it yet."""
+    try:
+        from safeckpt import storage
+    except ImportError:
+        return False
+    return storage.raw_path_available() and not hasattr(dcp_io, "RawFileSystemWriter")
+
+
+@contextlib.contextmanager
+def wiring(proposed: bool) -> Iterator[None]:
+    """Run ``dcp_io`` with the proposed storage writer and reader (the lead's patch, in process)."""
+    if not proposed:
+        yield
+        return
+    from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter
+
+    original_writer, original_reader = dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader
+    reader = type("ProposedReader", (original_reader, RawFileSystemReader), {})
+    dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader = RawFileSystemWriter, reader  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader = original_writer, original_reader  # type: ignore[misc]
+
+
+def quiesce(mgr: CheckpointManager, timeout: float = 30.0) -> None:
+    """Wait until the manager's background deleter has emptied the trash (so it slows no other row)."""
+    trash = mgr.root / ".trash"
+    deadline = time.monotonic() + timeout
+    while trash.is_dir() and any(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# --- async: blocking and durable ---------------------------------------------------------
+
+
+class AsyncRunner(Protocol):
+    def run(self) -> tuple[float, float]:
+        """One save: (seconds until the call returned, seconds until durable)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SafeckptAsync:
+    def __init__(self, b: Bench, proposed: bool) -> None:
+        self.b, self.proposed = b, proposed
+        self.mgr = CheckpointManager(b.fresh("async-root"), retention=Retention(keep_last=1))
+        self.step = 0
+
+    def run(self) -> tuple[float, float]:
+        self.step += 1
+        with wiring(self.proposed):
+            start = time.perf_counter()
+            self.mgr.save(self.step, self.b.state.state)
+            returned = time.perf_counter()
+            self.mgr.wait()
+        durable = time.perf_counter() - start
+        quiesce(self.mgr)
+        return returned - start, durable
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class DcpAsync:
+    """``dcp.async_save`` staging through one reused ``DefaultStager`` (it caches host storages).
+
+    Pinned and shared memory are off: pinning needs an accelerator, and on one
+    they would make the copy faster for safeckpt too.
+    """
+
+    def __init__(self, b: Bench, directory: str = "dcp-async") -> None:
+        self.b, self.directory = b, directory
+        self.writer = FileSystemWriter(b.fresh(directory))
+        self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        self.previous: Path | None = None
+        self.current: Path | None = None
+
+    def start(self) -> Any:
+        """Stage and start the upload; the future of the upload (pass it to :meth:`finish`)."""
+        self.current = self.b.fresh(self.directory)
+        response: Any = dcp.async_save(
+            self.b.flat,
+            checkpoint_id=self.current,
+            storage_writer=self.writer,
+            async_stager=self.stager,
+            no_dist=True,
+        )
+        return getattr(response, "upload_completion", response)
+
+    def finish(self, future: Any) -> None:
+        """Wait for the upload, then remove the previous checkpoint (outside any timing)."""
+        future.result()
+        if self.previous is not None:
+            remove(self.previous)
+        self.previous = self.current
+
+    def run(self) -> tuple[float, float]:
+        start = time.perf_counter()
+        future = self.start()
+        returned = time.perf_counter()
+        future.result()
+        durable = time.perf_counter() - start
+        self.finish(future)
+        return returned - start, durable
+
+    def close(self) -> None:
+        self.stager.close()
+        if self.previous is not None:
+            remove(self.previous)
+
+
+class LightningAsync:
+    """Lightning's ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (plus an fsync it lacks)."""
+
+    def __init__(self, b: Bench) -> None:
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        class FsyncTorchCheckpointIO(TorchCheckpointIO):
+            def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, options: Any = None) -> None:
+                super().save_checkpoint(checkpoint, path, options)
+                fsync_path(Path(path))
+
+        self.b = b
+        self.io = AsyncCheckpointIO(FsyncTorchCheckpointIO())
+        self.path = b.fresh("lightning.ckpt")
+
+    def run(self) -> tuple[float, float]:
+        start = time.perf_counter()
+        self.io.save_checkpoint(self.b.flat, self.path)
+        returned = time.perf_counter()
+        self.io.teardown()  # waits for the write (the only public way to)
+        return returned - start, time.perf_counter() - start
+
+    def close(self) -> None:
+        self.io.teardown()
+        remove(self.path)
+
+
+def lightning_available() -> bool:
+    try:
+        import lightning.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bench_async(b: Bench) -> list[Table]:
+    blocking = Table(
+        "blocking",
+        "Async save: blocking time",
+        "time until the save call returns / memcpy",
+        limit="torch `copy_` of every tensor into preallocated host buffers",
+    )
+    durable = Table(
+        "durable",
+        "Async save: time until durable",
+        "time from the save call until the data is durable (`wait()` returns) / (memcpy + raw write)",
+        limit="memcpy + sequential write of the same bytes into one file with fsync",
+    )
+    runners: dict[str, AsyncRunner] = {}
+    for name, proposed in b.safeckpt_variants():
+        blocking.row(name, target=1.3)
+        durable.row(name, target=1.5)
+        runners[name] = SafeckptAsync(b, proposed)
+    runners["dcp.async_save"] = DcpAsync(b)
+    if lightning_available():
+        runners["Lightning AsyncCheckpointIO"] = LightningAsync(b)
+    else:
+        blocking.notes.append("Lightning is not installed (`pip install -c constraints/ci.txt lightning`).")
+    for runner in runners.values():
+        runner.run()  # warm-up: allocates the reused staging buffers
+    for rep in range(b.args.reps):
+        times: dict[str, tuple[float, float]] = {}
+        for name in rotated(["limit", *runners], rep):
+            settle()
+            if name == "limit":
+                copy = timed(lambda: memcpy(b.tensors, b.buffers))
+                settle()
+                times[name] = (copy, copy + timed(lambda: raw_write(b.buffers, b.raw_file)))
+            else:
+                times[name] = runners[name].run()
+        copy, write = times.pop("limit")
+        blocking.limit_seconds.append(copy)
+        durable.limit_seconds.append(write)
+        for name, (returned, done) in times.items():
+            blocking.add_ratio(name, returned, copy)
+            durable.add_ratio(name, done, write)
+    for runner in runners.values():
+        runner.close()
+    blocking.notes.append(
+        "safeckpt and dcp.async_save reuse their staging buffers (dcp: one `DefaultStager`, unpinned); "
+        "Lightning clones every tensor on each save. The first save of each is a warm-up, not counted."
+    )
+    durable.notes.append(
+        "Lightning's TorchCheckpointIO does not fsync; the benchmark adds one so all rows mean durable."
+    )
+    return [blocking, durable]
+
+
+# --- sync save ---------------------------------------------------------------------------------
+
+
+def bench_sync(b: Bench) -> list[Table]:
+    table = Table(
+        "sync",
+        "Blocking (sync) save",
+        "time to a durable checkpoint / raw write",
+        limit="sequential write of the same bytes into one file with fsync",
+    )
+    managers = {}
+    for name, proposed in b.safeckpt_variants():
+        table.row(name, target=1.1)
+        mgr = CheckpointManager(b.fresh("sync-root"), async_save=False, retention=Retention(keep_last=1))
+        managers[name] = (mgr, proposed)
+    steps = iter(range(1, 1 << 30))
+
+    def safeckpt_save(name: str) -> Callable[[], Path | None]:
+        mgr, proposed = managers[name]
+
+        def run() -> Path | None:
+            with wiring(proposed):
+                mgr.save(next(steps), b.state.state)
+            return None  # the previous checkpoint goes to the trash; quiesce() waits for its deletion
+
+        return run
+
+    def torch_save() -> Path:
+        path = b.fresh("torch.pt")
+        torch.save(b.flat, path)
+        fsync_path(path)
+        return path
+
+    def dcp_save() -> Path:
+        path = b.fresh("dcp")
+        dcp.save(b.flat, checkpoint_id=path, no_dist=True)  # FileSystemWriter fsyncs every file
+        return path
+
+    def safetensors_save() -> Path:
+        path = b.fresh("model.safetensors")
+        save_file(b.flat, path)
+        fsync_path(path)
+        return path
+
+    variants: dict[str, Callable[[], Path | None]] = {name: safeckpt_save(name) for name in managers}
+    variants |= {"torch.save": torch_save, "dcp.save": dcp_save, "safetensors save_file": safetensors_save}
+    for run in variants.values():  # warm-up
+        _cleanup(run())
+    for rep in range(b.args.reps):
+        times: dict[str, float] = {}
+        for name in rotated(["limit", *variants], rep):
+            settle()
+            if name == "limit":
+                times[name] = timed(lambda: raw_write(b.tensors, b.raw_file))
+                continue
+            start = time.perf_counter()
+            written = variants[name]()
+            times[name] = time.perf_counter() - start
+            _cleanup(written)
+            if name in managers:
+                quiesce(managers[name][0])
+        limit = times.pop("limit")
+        table.limit_seconds.append(limit)
+        for name, seconds in times.items():
+            table.add_ratio(name, seconds, limit)
+    for mgr, _ in managers.values():
+        mgr.close()
+    table.notes.append("Peers are followed by an fsync of what they wrote; dcp.save fsyncs on its own.")
+    return [table]
+
+
+def _cleanup(path: Path | None) -> None:
+    if path is not None:
+        remove(path)
+
+
+# --- cold restore --------------------------------------------------------------------------------
+
+
+def bench_restore(b: Bench) -> list[Table]:
+    table = Table(
+        "restore",
+        "Cold restore",
+        "time to load a checkpoint whose pages were evicted / raw read",
+        limit="reading one file of the same bytes into preallocated buffers, page cache evicted",
+    )
+    root = b.fresh("restore-root")
+    mgr = CheckpointManager(root, async_save=False)
+    mgr.save(1, b.state.state)
+    files = {
+        "torch": b.fresh("restore.pt"),
+        "dcp": b.fresh("restore-dcp"),
+        "safetensors": b.fresh("restore.safetensors"),
+    }
+    torch.save(b.flat, files["torch"])
+    dcp.save(b.flat, checkpoint_id=files["dcp"], no_dist=True)
+    save_file(b.flat, files["safetensors"])
+    raw_write(b.tensors, b.raw_file)
+    targets = dict(zip(b.names, b.buffers, strict=True))
+
+    def safeckpt_restore(proposed: bool) -> Callable[[], Any]:
+        def run() -> Any:
+            with wiring(proposed):
+                return mgr.restore(b.state.state)
+
+        return run
+
+    variants: dict[str, tuple[Path, Callable[[], Any]]] = {}
+    for name, proposed in b.safeckpt_variants():
+        table.row(name, target=1.25)
+        variants[name] = (root, safeckpt_restore(proposed))
+    variants |= {
+        "torch.load": (files["torch"], lambda: torch.load(files["torch"], weights_only=True)),
+        "dcp.load": (files["dcp"], lambda: dcp.load(targets, checkpoint_id=files["dcp"], no_dist=True)),
+        "safetensors load_file": (files["safetensors"], lambda: load_file(files["safetensors"])),
+    }
+
+    def read_raw() -> None:
+        raw_read(b.raw_file, b.buffers)
+
+    for rep in range(b.args.reps):
+        times: dict[str, float] = {}
+        for name in rotated(["limit", *variants], rep):
+            settle()
+            path, run = variants[name] if name != "limit" else (b.raw_file, read_raw)
+            evict(path)
+            start = time.perf_counter()
+            loaded = run()
+            times[name] = time.perf_counter() - start
+            del loaded
+        limit = times.pop("limit")
+        table.limit_seconds.append(limit)
+        for name, seconds in times.items():
+            table.add_ratio(name, seconds, limit)
+    mgr.close()
+    for path in (root, *files.values()):
+        remove(path)
+    table.notes.append(
+        "safeckpt and dcp.load load in place into existing tensors; torch.load and load_file allocate new "
+        "ones. Every file of a checkpoint is fsynced and evicted (`POSIX_FADV_DONTNEED`) before each read."
+    )
+    return [table]
+
+
+# --- step-time inflation ------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """A compute loop run alongside some background work."""
+
+    rate: float
+    """Steps per second."""
+    background_cpu: float
+    """CPU seconds the process spent outside the compute thread meanwhile."""
+
+
+class Compute:
+    """A CPU stand-in for a training step: one matmul, on ``threads`` intra-op threads."""
+
+    def __init__(self, size: int, threads: int) -> None:
+        self.a, self.b = torch.randn(size, size), torch.randn(size, size)
+        self.out = torch.empty(size, size)
+        self.threads = threads
+
+    def run(self, keep_going: Callable[[float], bool]) -> Window:
+        """Steps while ``keep_going(elapsed)`` (at least one step)."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            process, own = _process_cpu(), time.thread_time()
+            steps, start = 0, time.perf_counter()
+            while True:
+                torch.mm(self.a, self.b, out=self.out)
+                steps += 1
+                elapsed = time.perf_counter() - start
+                if not keep_going(elapsed):
+                    other = _process_cpu() - process - (time.thread_time() - own)
+                    return Window(steps / elapsed, other)
+        finally:
+            torch.set_num_threads(previous)
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _in_thread(fn: Callable[[], Any]) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+FLOOR = "raw write + fsync in a thread (floor)"
+
+
+def bench_inflation(b: Bench) -> list[Table]:
+    table = Table(
+        "inflation",
+        "Step-time inflation while a save persists",
+        "steps/s of a compute loop without a save / steps/s while the save persists in the background",
+        limit=f"the same loop with nothing in the background for {b.args.window:g} s",
+    )
+    cpu = Table(
+        "background-cpu",
+        "CPU time of a background save",
+        "CPU seconds the process spends outside the compute thread while the save persists / the same "
+        "for a raw write of the same bytes in a thread",
+        limit="the floor row of the table above",
+    )
+    compute = Compute(b.args.matmul, b.args.compute_threads)
+    managers: dict[str, tuple[CheckpointManager, bool]] = {}
+    for name, proposed in b.safeckpt_variants():
+        table.row(name, target=1.05)
+        mgr = CheckpointManager(b.fresh("inflation-root"), retention=Retention(keep_last=1))
+        managers[name] = (mgr, proposed)
+    dcp_async = DcpAsync(b, "inflation-dcp")
+    steps = iter(range(1, 1 << 30))
+
+    def safeckpt_save(name: str) -> Callable[[], Window]:
+        mgr, proposed = managers[name]
+
+        def run() -> Window:
+            with wiring(proposed):
+                mgr.save(next(steps), b.state.state)  # staging is not part of the window
+                waiter = _in_thread(mgr.wait)
+                window = compute.run(lambda _: waiter.is_alive())
+            quiesce(mgr)
+            return window
+
+        return run
+
+    def dcp_save() -> Window:
+        future = dcp_async.start()
+        window = compute.run(lambda _: not future.done())
+        dcp_async.finish(future)
+        return window
+
+    def raw_background_write() -> Window:
+        writer = _in_thread(lambda: raw_write(b.buffers, b.raw_file))
+        return compute.run(lambda _: writer.is_alive())
+
+    variants: dict[str, Callable[[], Window]] = {name: safeckpt_save(name) for name in managers}
+    variants |= {"dcp.async_save": dcp_save, FLOOR: raw_background_write}
+    for run in variants.values():  # warm-up: staging buffers
+        run()
+    for rep in range(b.args.reps):
+        windows: dict[str, Window] = {}
+        for name in rotated(["limit", *variants], rep):
+            settle()
+            if name == "limit":
+                windows[name] = compute.run(lambda elapsed: elapsed < b.args.window)
+            else:
+                windows[name] = variants[name]()
+        base = windows.pop("limit").rate
+        table.limit_seconds.append(1 / base)
+        floor_cpu = windows[FLOOR].background_cpu
+        cpu.limit_seconds.append(floor_cpu)
+        for name, window in windows.items():
+            table.add_value(name, base / window.rate, 1 / window.rate)
+            if name != FLOOR:
+                cpu.add_ratio(name, window.background_cpu, floor_cpu)
+    for mgr, _ in managers.values():
+        mgr.close()
+    dcp_async.close()
+    table.notes.append(
+        f"Compute: a {b.args.matmul}x{b.args.matmul} fp32 matmul per step on {b.args.compute_threads} "
+        f"intra-op thread(s) of {os.cpu_count()} cores; 'median time' is the step time."
+    )
+    cpu.notes.append(
+        "From getrusage (user + system) less the compute thread's own time; the kernel's writeback "
+        "threads are not counted for any row. 'median time' is CPU seconds."
+    )
+    return [table, cpu]
+
+
+# --- cleanup on the training thread ------------------------------------------------------------
+
+
+def tiny_state() -> dict[str, Any]:
+    return {"weights": torch.zeros(16), "epoch": 1}
+
+
+def make_root(root: Path, count: int) -> None:
+    """A root with ``count`` committed checkpoints: one real save, copied with rewritten records."""
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, tiny_state())
+    template = root / "step_1"
+    record = json.loads((template / "metadata.json").read_text())
+    for step in range(2, count + 1):
+        target = root / f"step_{step}"
+        shutil.copytree(template, target)
+        record["step"] = step
+        (target / "metadata.json").write_text(json.dumps(record))
+    os.sync()
+    swap_pointer(root / "latest", f"step_{count}", DEFAULT_FILE_OPS)
+
+
+def bench_cleanup(b: Bench) -> list[Table]:
+    table = Table(
+        "cleanup",
+        "Retention bookkeeping on the training thread",
+        "extra time inside async `save()` of a tiny state with N retained checkpoints "
+        "(`Retention(keep_last=N)`, so every commit also prunes one), over a root that retains one",
+        unit="ms",
+    )
+    counts = (1, *CLEANUP_COUNTS)
+    managers: dict[int, CheckpointManager] = {}
+    opened: dict[int, float] = {}
+    for count in counts:
+        root = b.fresh(f"cleanup-{count}")
+        make_root(root, count)
+        start = time.perf_counter()
+        managers[count] = CheckpointManager(root, retention=Retention(keep_last=count))
+        opened[count] = time.perf_counter() - start
+        table.row(f"{count} checkpoints", target=5.0 if count == max(CLEANUP_COUNTS) else None)
+    steps = {count: count for count in counts}
+
+    def save_time(count: int) -> float:
+        mgr = managers[count]
+        times = []
+        for _ in range(b.args.cleanup_saves):
+            steps[count] += 1
+            start = time.perf_counter()
+            mgr.save(steps[count], tiny_state())
+            times.append(time.perf_counter() - start)
+            mgr.wait()
+        return statistics.median(times)
+
+    save_time(1)  # warm-up
+    for rep in range(b.args.reps):
+        times = {count: save_time(count) for count in rotated(counts, rep)}
+        base = times.pop(1)
+        table.limit_seconds.append(base)
+        for count, seconds in times.items():
+            table.add_value(f"{count} checkpoints", (seconds - base) * 1000, seconds)
+    table.rows = [table.row(f"{count} checkpoints") for count in CLEANUP_COUNTS]
+    for mgr in managers.values():
+        mgr.close()
+    table.limit = "async `save()` of the same state into a root with `Retention(keep_last=1)`"
+    table.notes.append(
+        f"Each value is the median over {b.args.cleanup_saves} saves in one repetition, minus the same "
+        "for the baseline root; 'median time' is the whole `save()` call."
+    )
+    table.notes.append(
+        "Opening the root (reading every record) took "
+        + ", ".join(f"{opened[c] * 1000:.0f} ms at {c}" for c in CLEANUP_COUNTS)
+        + " (once per run, not per save)."
+    )
+    return [table]
+
+
+# --- main ---------------------------------------------------------------------------------------------
+
+
+BENCHES: dict[str, Callable[[Bench], list[Table]]] = {
+    "async": bench_async,
+    "sync": bench_sync,
+    "restore": bench_restore,
+    "inflation": bench_inflation,
+    "cleanup": bench_cleanup,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gib", type=float, default=1.0, help="size of the whole state (model + AdamW)")
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per measurement")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: the temp directory)")
+    p.add_argument("--json", type=Path, default=None, help="also write the report here (run_all.py reads it)")
+    p.add_argument("--window", type=float, default=2.0, help="seconds of the no-save compute baseline")
+    p.add_argument("--matmul", type=int, default=512, help="size of the compute loop's square matmul")
+    p.add_argument("--compute-threads", type=int, default=1, help="intra-op threads of the compute loop")
+    p.add_argument("--cleanup-saves", type=int, default=25, help="saves per root per repetition (cleanup)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, command: str) -> Report:
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="safeckpt-bench-", dir=args.dir))
+    try:
+        state = build_state(int(args.size_gib * GIB), optimizer=True)
+        flat = state.flat()
+        bench = Bench(args, work, state, list(flat), list(flat.values()), host_buffers(flat.values()))
+        tables = []
+        for name in args.only:
+            print(f"[bench_save] {name} ...", file=sys.stderr, flush=True)
+            tables += BENCHES[name](bench)
+        shape = state.shape
+        info = machine() | {"filesystem": filesystem_of(work)}
+        params = {
+            "state": f"{state.nbytes / GIB:.2f} GiB fp32 (model {shape.layers} layers, hidden "
+            f"{shape.hidden}, vocab {shape.vocab}, + AdamW moments; {len(flat)} tensors)",
+            "reps": args.reps,
+        }
+        return Report("bench_save", command, info, params, tables, time.monotonic() - started)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command = shlex.join([".venv/bin/python", "benchmarks/bench_save.py", *argv])
+    report = run(args, command)
+    print(report.to_markdown())
+    if args.json is not None:
+        report.save(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
