@@ -16,8 +16,8 @@ Sections (``--only``): ``async`` (blocking and durable time of an async save),
 while a save persists) and ``cleanup`` (retention bookkeeping in ``save()`` with
 10/100/1000 retained checkpoints).
 
-``safeckpt + storage.py`` rows run the manager with ``dcp_io`` wired to
-``safeckpt.storage`` (the proposed patch); they disappear once it is wired.
+``safeckpt, SAFECKPT_DCP_IO=torch`` rows run the manager with DCP's own writer
+and reader instead of ``safeckpt.storage`` (same files): what storage.py buys.
 """
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ from bench_common import (
     settle,
     timed,
 )
-from safeckpt import CheckpointManager, Retention, dcp_io
+from safeckpt import CheckpointManager, Retention
 from safeckpt.atomic import swap_pointer
 from safeckpt.fileops import DEFAULT_FILE_OPS
 
 SECTIONS = ("async", "sync", "restore", "inflation", "cleanup")
 SAFECKPT = "safeckpt"
-PROPOSED = "safeckpt + storage.py"
+TORCH_IO = "safeckpt, SAFECKPT_DCP_IO=torch"
 CLEANUP_COUNTS = (10, 100, 1000)
 
 
@@ -104,34 +104,25 @@ class Bench:
         return self.work / "raw.bin"
 
     def safeckpt_variants(self) -> list[tuple[str, bool]]:
-        """``(row name, proposed wiring)`` for the manager: as wired now, and with storage.py."""
-        return [(SAFECKPT, False)] + ([(PROPOSED, True)] if storage_available() else [])
-
-
-def storage_available() -> bool:
-    """Whether ``safeckpt.storage`` exists and ``dcp_io`` does not use it yet."""
-    try:
-        from safeckpt import storage
-    except ImportError:
-        return False
-    return storage.raw_path_available() and not hasattr(dcp_io, "RawFileSystemWriter")
+        """``(row name, torch I/O)``: the manager as it is, and with DCP's own writer and reader."""
+        return [(SAFECKPT, False), (TORCH_IO, True)]
 
 
 @contextlib.contextmanager
-def wiring(proposed: bool) -> Iterator[None]:
-    """Run ``dcp_io`` with the proposed storage writer and reader (the lead's patch, in process)."""
-    if not proposed:
+def wiring(torch_io: bool) -> Iterator[None]:
+    """Run the manager with DCP's own writer and reader (``SAFECKPT_DCP_IO=torch``), or as it is."""
+    if not torch_io:
         yield
         return
-    from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter
-
-    original_writer, original_reader = dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader
-    reader = type("ProposedReader", (original_reader, RawFileSystemReader), {})
-    dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader = RawFileSystemWriter, reader  # type: ignore[misc]
+    previous = os.environ.get("SAFECKPT_DCP_IO")
+    os.environ["SAFECKPT_DCP_IO"] = "torch"
     try:
         yield
     finally:
-        dcp_io.FileSystemWriter, dcp_io.SafeFileSystemReader = original_writer, original_reader  # type: ignore[misc]
+        if previous is None:
+            del os.environ["SAFECKPT_DCP_IO"]
+        else:
+            os.environ["SAFECKPT_DCP_IO"] = previous
 
 
 def quiesce(mgr: CheckpointManager, timeout: float = 30.0) -> None:
@@ -161,14 +152,14 @@ class AsyncRunner(Protocol):
 
 
 class SafeckptAsync:
-    def __init__(self, b: Bench, proposed: bool) -> None:
-        self.b, self.proposed = b, proposed
+    def __init__(self, b: Bench, torch_io: bool) -> None:
+        self.b, self.torch_io = b, torch_io
         self.mgr = CheckpointManager(b.fresh("async-root"), retention=Retention(keep_last=1))
         self.step = 0
 
     def run(self) -> tuple[float, float]:
         self.step += 1
-        with wiring(self.proposed):
+        with wiring(self.torch_io):
             start = time.perf_counter()
             self.mgr.save(self.step, self.b.state.state)
             returned = time.perf_counter()
@@ -278,10 +269,10 @@ def bench_async(b: Bench) -> list[Table]:
         limit="memcpy + sequential write of the same bytes into one file with fsync",
     )
     runners: dict[str, AsyncRunner] = {}
-    for name, proposed in b.safeckpt_variants():
+    for name, torch_io in b.safeckpt_variants():
         blocking.row(name, target=1.3)
         durable.row(name, target=1.5)
-        runners[name] = SafeckptAsync(b, proposed)
+        runners[name] = SafeckptAsync(b, torch_io)
     runners["dcp.async_save"] = DcpAsync(b)
     if lightning_available():
         runners["Lightning AsyncCheckpointIO"] = LightningAsync(b)
@@ -328,17 +319,17 @@ def bench_sync(b: Bench) -> list[Table]:
         limit="sequential write of the same bytes into one file with fsync",
     )
     managers = {}
-    for name, proposed in b.safeckpt_variants():
+    for name, torch_io in b.safeckpt_variants():
         table.row(name, target=1.1)
         mgr = CheckpointManager(b.fresh("sync-root"), async_save=False, retention=Retention(keep_last=1))
-        managers[name] = (mgr, proposed)
+        managers[name] = (mgr, torch_io)
     steps = iter(range(1, 1 << 30))
 
     def safeckpt_save(name: str) -> Callable[[], Path | None]:
-        mgr, proposed = managers[name]
+        mgr, torch_io = managers[name]
 
         def run() -> Path | None:
-            with wiring(proposed):
+            with wiring(torch_io):
                 mgr.save(next(steps), b.state.state)
             return None  # the previous checkpoint goes to the trash; quiesce() waits for its deletion
 
@@ -417,17 +408,17 @@ def bench_restore(b: Bench) -> list[Table]:
     raw_write(b.tensors, b.raw_file)
     targets = dict(zip(b.names, b.buffers, strict=True))
 
-    def safeckpt_restore(proposed: bool) -> Callable[[], Any]:
+    def safeckpt_restore(torch_io: bool) -> Callable[[], Any]:
         def run() -> Any:
-            with wiring(proposed):
+            with wiring(torch_io):
                 return mgr.restore(b.state.state)
 
         return run
 
     variants: dict[str, tuple[Path, Callable[[], Any]]] = {}
-    for name, proposed in b.safeckpt_variants():
+    for name, torch_io in b.safeckpt_variants():
         table.row(name, target=1.25)
-        variants[name] = (root, safeckpt_restore(proposed))
+        variants[name] = (root, safeckpt_restore(torch_io))
     variants |= {
         "torch.load": (files["torch"], lambda: torch.load(files["torch"], weights_only=True)),
         "dcp.load": (files["dcp"], lambda: dcp.load(targets, checkpoint_id=files["dcp"], no_dist=True)),
@@ -530,18 +521,18 @@ def bench_inflation(b: Bench) -> list[Table]:
     )
     compute = Compute(b.args.matmul, b.args.compute_threads)
     managers: dict[str, tuple[CheckpointManager, bool]] = {}
-    for name, proposed in b.safeckpt_variants():
+    for name, torch_io in b.safeckpt_variants():
         table.row(name, target=1.05)
         mgr = CheckpointManager(b.fresh("inflation-root"), retention=Retention(keep_last=1))
-        managers[name] = (mgr, proposed)
+        managers[name] = (mgr, torch_io)
     dcp_async = DcpAsync(b, "inflation-dcp")
     steps = iter(range(1, 1 << 30))
 
     def safeckpt_save(name: str) -> Callable[[], Window]:
-        mgr, proposed = managers[name]
+        mgr, torch_io = managers[name]
 
         def run() -> Window:
-            with wiring(proposed):
+            with wiring(torch_io):
                 mgr.save(next(steps), b.state.state)  # staging is not part of the window
                 waiter = _in_thread(mgr.wait)
                 window = compute.run(lambda _: waiter.is_alive())

@@ -64,6 +64,12 @@ SECTIONS: tuple[Section, ...] = (
         quick=("--size-gib", "0.25", "--reps", "3"),
     ),
     Section(
+        key="bench_ranks",
+        title="Two ranks: sharded saves",
+        command=(PYTHON, "benchmarks/bench_ranks.py"),
+        quick=("--size-gib", "0.25", "--reps", "3"),
+    ),
+    Section(
         key="bench_nfs_prune",
         title="Pruning on emulated NFS",
         command=(PYTHON, "benchmarks/bench_nfs_prune.py"),

@@ -10,9 +10,11 @@ the classes DCP metadata is made of, and non-tensor values are loaded with
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,6 +93,10 @@ def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
             "another one.",
             path=str(path),
         ) from e
+    digest = hashlib.sha256(raw).digest()
+    with _last_parsed_lock:
+        if _last_parsed and _last_parsed[0] == digest:
+            return _last_parsed[1]
     try:
         metadata = RestrictedUnpickler(io.BytesIO(raw), source=str(path)).load()
     except UnsafeCheckpointError:
@@ -106,7 +112,15 @@ def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
             f"{path} holds a {type(metadata).__name__}, not DCP metadata; restore another checkpoint.",
             path=str(path),
         )
+    with _last_parsed_lock:
+        _last_parsed[:] = [digest, metadata]
     return metadata
+
+
+# Unpickling a large .metadata takes tens of ms and a restore needs it several times
+# (verify, key check, DCP's reader): keep the last one, keyed by its bytes' hash.
+_last_parsed: list[Any] = []
+_last_parsed_lock = threading.Lock()
 
 
 class _RestrictedMetadata:
