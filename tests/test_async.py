@@ -205,10 +205,17 @@ def test_checkpoint_being_written_is_removed_only_after_its_write(root: Path) ->
     assert sorted(p.name for p in root.glob("step_*")) == ["step_2"]
 
 
-@pytest.fixture
-def one_failure() -> Iterator[GatedOps]:
+@pytest.fixture(
+    params=[
+        pytest.param((errno.ENOSPC, "No space left on device"), id="ENOSPC"),
+        pytest.param((errno.EIO, "Input/output error"), id="EIO"),
+        pytest.param((errno.EACCES, "Permission denied"), id="EACCES"),
+    ]
+)
+def one_failure(request: pytest.FixtureRequest) -> Iterator[GatedOps]:
+    """The write of step 2 fails with a disk-full, an I/O or a permission error."""
     ops = GatedOps()
-    ops.fail["/step_2."] = OSError(errno.ENOSPC, "No space left on device")
+    ops.fail["/step_2."] = OSError(*request.param)
     yield ops
 
 
@@ -223,9 +230,10 @@ def test_failed_background_write_surfaces_once_at_wait(root: Path, one_failure: 
     with CheckpointManager(root, file_ops=one_failure) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
-        with pytest.raises(SaveFailedError, match="No space left") as info:
+        with pytest.raises(SaveFailedError, match=r"step 2 failed: rank 0: \w*Error: \[Errno") as info:
             mgr.wait()
-        assert isinstance(info.value.cause, OSError) and info.value.cause.errno == errno.ENOSPC
+        assert isinstance(info.value.cause, OSError)
+        assert info.value.cause.errno == one_failure.fail["/step_2."].errno
         assert info.value.__cause__ is info.value.cause
         assert info.value.step == 2
         _assert_only_step_1(root)
