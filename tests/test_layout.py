@@ -92,9 +92,10 @@ def test_paths_of_a_root(root: Path) -> None:
 
 def test_new_names_parse_back_and_are_unique(root: Path) -> None:
     layout = Layout(root)
-    staging = {layout.new_staging_dir(8) for _ in range(100)}
-    assert len(staging) == 100
-    assert all(p.parent == layout.staging and parse_staging_name(p.name) == 8 for p in staging)
+    staging = layout.staging_dir(8, "0123456789ab")
+    assert staging.parent == layout.staging and parse_staging_name(staging.name) == 8
+    with pytest.raises(ValueError, match="12 hex digits"):
+        layout.staging_dir(8, "../escape")
     for reason in (PRUNED, REPLACED, ABANDONED):
         trash = {layout.new_trash_path(8, reason) for _ in range(100)}
         assert len(trash) == 100

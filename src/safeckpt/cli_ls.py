@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .catalog import Catalog, Entry, scan, verify_files
 from .errors import CheckpointError, CheckpointNotFoundError
+from .failures import human_size
 from .maintenance import infos, protected_steps
 from .record import list_files
 from .retention import Retention, explain
@@ -112,15 +113,6 @@ def _disk_size(entry: Entry) -> int:
         return sum(list_files(entry.path).values())
     except OSError:
         return 0
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def _metrics_text(metrics: dict[str, float | None]) -> str:

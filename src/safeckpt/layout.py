@@ -83,8 +83,11 @@ class Layout:
     def step_dir(self, step: int) -> Path:
         return self.root / step_dirname(step)
 
-    def new_staging_dir(self, step: int) -> Path:
-        return self.staging / f"{step_dirname(step)}.{_token()}"
+    def staging_dir(self, step: int, token: str) -> Path:
+        """Where a save of ``step`` is written; ``token`` (12 hex digits) is the same on every rank."""
+        if not re.fullmatch(r"[0-9a-f]{12}", token):
+            raise ValueError(f"a staging token is 12 hex digits, got {token!r}")
+        return self.staging / f"{step_dirname(step)}.{token}"
 
     def new_trash_path(self, step: int, reason: str) -> Path:
         return self.trash / f"{step_dirname(step)}.{reason}.{_token()}"

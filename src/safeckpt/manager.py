@@ -341,7 +341,7 @@ class CheckpointManager:
         return SaveJob(
             seq=self._seq,
             step=step,
-            staging_dir=self._layout.staging / f"{step_dirname(step)}.{token}",
+            staging_dir=self._layout.staging_dir(step, token),
             dcp_state=None,
             train_state=train_state,
             metrics=metrics,
