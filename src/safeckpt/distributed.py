@@ -36,16 +36,43 @@ class Participants:
     timeout: float = 600.0
 
     @classmethod
-    def create(cls, *, timeout: float) -> Participants:
-        """One participant, or every rank of the default group (collective then)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    def create(cls, *, timeout: float, group: dist.ProcessGroup | None = None) -> Participants:
+        """One participant, or every rank of ``group`` (the default group when None).
+
+        Collective: over the default group when ``group`` is None, else over
+        ``group``'s ranks only (ranks outside it need not call), so managers
+        scoped to different groups (pipeline stages) can be created side by side.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(timeout=timeout)
+        if group is None:
+            if dist.get_world_size() == 1:
+                return cls(timeout=timeout)
+            delta = datetime.timedelta(seconds=timeout)
+            control = dist.new_group(backend="gloo", timeout=delta)
+            writer = dist.new_group(backend="gloo", timeout=delta)
+            return cls(
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                control=control,
+                writer=writer,
+                timeout=timeout,
+            )
+        ranks = sorted(dist.get_process_group_ranks(group))
+        if dist.get_rank() not in ranks:
+            raise CheckpointError(
+                f"rank {dist.get_rank()} is not in the process_group given to the manager (ranks "
+                f"{ranks}); create the manager only on the ranks of its group."
+            )
+        if len(ranks) == 1:
             return cls(timeout=timeout)
         delta = datetime.timedelta(seconds=timeout)
-        control = dist.new_group(backend="gloo", timeout=delta)
-        writer = dist.new_group(backend="gloo", timeout=delta)
+        # Local synchronization: only the group's ranks take part in creating these groups.
+        control = dist.new_group(ranks, backend="gloo", timeout=delta, use_local_synchronization=True)
+        writer = dist.new_group(ranks, backend="gloo", timeout=delta, use_local_synchronization=True)
         return cls(
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
+            rank=dist.get_rank(control),  # rank order of the sorted ranks, as in both groups
+            world_size=len(ranks),
             control=control,
             writer=writer,
             timeout=timeout,

@@ -1,0 +1,404 @@
+"""A checkpoint's state back: into the caller's objects in place, or without a template.
+
+Both follow the structure recorded in the train-state file (never the DCP
+keys), so int keys, tuples and keys containing ``.`` come back as saved.
+
+Loading into a state is two phases. :class:`LoadPlan` matches the state
+against the checkpoint and touches nothing of the caller's: it collects the
+tensors DCP fills (the caller's own, in place; DTensors reshard to their
+current mesh), what is missing or unexpected, and what cannot be loaded.
+Only after every rank agreed that the plan is sound does DCP read, and
+:meth:`LoadPlan.apply` put the values, modules, optimizers and ``Stateful``
+objects in place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import dcp_io
+from .errors import IncompleteCheckpointError
+from .state import display, is_stateful, module_for, nest_for_dcp
+from .train_state import Legacy, read_tree
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT: Any = _Absent()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a restore left alone: paths (``model.layers.3.w``) the state has and the checkpoint
+    lacks (``missing``), and paths the checkpoint has and the state lacks (``unexpected``)."""
+
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+
+
+class Selection:
+    """Which paths to load: under one of ``include`` (all when None) and under none of ``exclude``.
+
+    A path is its keys joined by ``.`` (``"model"``, ``"optim.state"``,
+    ``"model.layers.0.weight"``); an entry selects that path and everything under it.
+    """
+
+    def __init__(self, include: Iterable[str] | None, exclude: Iterable[str] | None) -> None:
+        self.include = None if include is None else tuple(_dotted(p, "include") for p in include)
+        self.exclude = tuple(_dotted(p, "exclude") for p in exclude or ())
+        self.everything = self.include is None and not self.exclude
+
+    def wanted(self, keys: tuple[Any, ...]) -> bool:
+        if self.everything:
+            return True
+        path = display(keys)
+        if any(path == e or path.startswith(e + ".") for e in self.exclude):
+            return False
+        if self.include is None:
+            return True
+        return any(path == i or path.startswith(i + ".") or i.startswith(path + ".") for i in self.include)
+
+
+def _dotted(path: Any, name: str) -> str:
+    if not isinstance(path, str) or not path:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name}= takes dotted paths such as 'model' or 'optim.state', got {path!r}.")
+    return path
+
+
+class _Map(dict):  # type: ignore[type-arg]
+    """Loaded items of a mapping (only those to put in place)."""
+
+
+@dataclass
+class _Seq:
+    """Loaded items of a list or tuple, by index; ``length`` of the result."""
+
+    items: dict[int, Any]
+    length: int
+    is_tuple: bool
+
+
+class LoadPlan:
+    """How one checkpoint's state lands in a target state (see the module docstring).
+
+    ``meta``: DCP's ``state_dict_metadata``; ``root``: the top-level state
+    (optimizers find their module there).
+    """
+
+    def __init__(self, meta: Mapping[str, Any], selection: Selection, root: Mapping[Any, Any]) -> None:
+        self.meta = meta
+        self.selection = selection
+        self.root = root
+        self.dcp: dict[str, torch.Tensor] = {}
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.problems: list[str] = []
+        self.damage: list[str] = []
+        self._actions: list[Callable[[], None]] = []
+
+    def report(self) -> LoadReport:
+        return LoadReport(tuple(self.missing), tuple(self.unexpected))
+
+    def plan(self, target: Any, node: Any, keys: tuple[Any, ...], full: bool = False) -> Any:
+        """The value to put at ``keys`` (the target itself where it is filled in place)."""
+        if target is not ABSENT and not isinstance(target, (torch.Tensor, Mapping, list, tuple)):
+            if isinstance(target, nn.Module):
+                return self._module(target, node, keys)
+            if isinstance(target, torch.optim.Optimizer):
+                return self._optimizer(target, node, keys)
+            if is_stateful(target):
+                return self._stateful(target, node, keys)
+        if not isinstance(node, dict) or len(node) != 1:
+            self.damage.append(f"{display(keys) or 'the state'} has a malformed entry {node!r}")
+            return target
+        ((tag, body),) = node.items()
+        if tag in ("M", "O", "S"):  # saved from an object: its state dict loads into a dict too
+            return self.plan(target, body, keys, full)
+        if tag in ("T", "D", "L", "U") and _kind(target) not in ("absent", "value", _KINDS[tag]):
+            # A tensor where the state has a dict (or the other way round) is not a value to
+            # overwrite: the state expects something else there.
+            self.problems.append(
+                f"{display(keys) or 'the state'} is a {_KINDS[tag]} in the checkpoint but a "
+                f"{_kind(target)} in the state"
+            )
+            return target
+        if tag == "T":
+            return self._tensor(target, body, keys, full)
+        if tag == "v":
+            if isinstance(target, torch.Tensor):
+                self.problems.append(
+                    f"{display(keys)} is a tensor in the state but a {type(body).__name__} in the checkpoint"
+                )
+            return body
+        if tag == "D":
+            return self._mapping(target, body, keys, full)
+        if tag in ("L", "U"):
+            return self._sequence(target, body, keys, full, tag == "U")
+        self.damage.append(f"{display(keys) or 'the state'} has an unknown entry kind {tag!r}")
+        return target
+
+    def mapping(self, target: Mapping[Any, Any], tree: Any) -> Any:
+        """Plan the whole state (the top-level tree node)."""
+        return self.plan(target, tree, ())
+
+    def apply(self, state: Any, loaded: Any) -> Any:
+        """Put everything in place (after DCP filled :attr:`dcp`). Returns the new top-level value."""
+        result = _apply(state, loaded)
+        for action in self._actions:
+            action()
+        return result
+
+    # --- by kind of target ----------------------------------------------------------
+
+    def _saved_dict(self, node: Any, keys: tuple[Any, ...], what: str) -> bool:
+        """Whether ``node`` is a state dict (what a module or optimizer loads); a problem if not."""
+        while isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("M", "O", "S"):
+            node = next(iter(node.values()))
+        if isinstance(node, dict) and "D" in node:
+            return True
+        self.problems.append(f"{display(keys)} is {what} in the state but not a state dict in the checkpoint")
+        return False
+
+    def _module(self, module: nn.Module, node: Any, keys: tuple[Any, ...]) -> Any:
+        if not self._saved_dict(node, keys, "a module"):
+            return module
+        template = get_model_state_dict(module)
+        loaded = self.plan(template, node, keys)
+        self._actions.append(lambda: set_model_state_dict(module, _apply(template, loaded)))
+        return module
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer, node: Any, keys: tuple[Any, ...]) -> Any:
+        module = module_for(optimizer, display(keys), self.root)
+        if not self._saved_dict(node, keys, "an optimizer"):
+            return optimizer
+        template = get_optimizer_state_dict(module, optimizer)
+        loaded = self.plan(template, node, keys)
+        self._actions.append(lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded)))
+        return optimizer
+
+    def _stateful(self, obj: Any, node: Any, keys: tuple[Any, ...]) -> Any:
+        # full: what the object's current state_dict() lacks comes from the checkpoint whole
+        # (a fresh optimizer has no moments yet, and gets the saved ones).
+        template = obj.state_dict()
+        loaded = self.plan(template, node, keys, full=True)
+        self._actions.append(lambda: obj.load_state_dict(_apply(template, loaded)))
+        return obj
+
+    def _tensor(self, target: Any, fqn: Any, keys: tuple[Any, ...], full: bool) -> Any:
+        meta = self.meta.get(fqn) if isinstance(fqn, str) else None
+        if not isinstance(meta, TensorStorageMetadata):
+            self.damage.append(f"{display(keys)} names the DCP key {fqn!r}, which .metadata lacks")
+            return target
+        shape, dtype = tuple(meta.size), meta.properties.dtype
+        if isinstance(target, torch.Tensor):
+            if tuple(target.shape) == shape and target.dtype == dtype:
+                self.dcp[fqn] = target
+                return target
+            if not full or (DTensor is not None and isinstance(target, DTensor)):
+                self.problems.append(
+                    f"{display(keys)} is {_describe(dtype, shape)} in the checkpoint but "
+                    f"{_describe(target.dtype, tuple(target.shape))} in the state"
+                )
+                return target
+        fresh = torch.empty(shape, dtype=dtype)
+        self.dcp[fqn] = fresh
+        return fresh
+
+    def _mapping(self, target: Any, items: Any, keys: tuple[Any, ...], full: bool) -> Any:
+        out = _Map()
+        if not isinstance(target, Mapping):
+            for k, child in items:
+                out[k] = self.plan(ABSENT, child, (*keys, k), full)
+            return out
+        # An empty dict is a placeholder (a fresh optimizer's state_dict()["state"]): it gets
+        # what the checkpoint has there, not a list of unexpected keys.
+        full = full or not target
+        saved = set()
+        for k, child in items:
+            saved.add(k)
+            child_keys = (*keys, k)
+            if not self.selection.wanted(child_keys):
+                continue
+            if k in target:
+                out[k] = self.plan(target[k], child, child_keys, full)
+            elif full:
+                out[k] = self.plan(ABSENT, child, child_keys, full)
+            else:
+                self.unexpected.append(display(child_keys))
+        for k in target:
+            if k not in saved and self.selection.wanted((*keys, k)):
+                self.missing.append(display((*keys, k)))
+        return out
+
+    def _sequence(self, target: Any, nodes: Any, keys: tuple[Any, ...], full: bool, is_tuple: bool) -> Any:
+        if not isinstance(target, (list, tuple)):
+            items = {i: self.plan(ABSENT, child, (*keys, i), full) for i, child in enumerate(nodes)}
+            return _Seq(items, len(nodes), is_tuple)
+        # An empty list is a placeholder too, and a list of plain values is one value: it is
+        # replaced whole (a list of hyper-parameters has no "missing" entries).
+        full = full or not target or not _has_tensor({"L": nodes})
+        out = _Seq({}, len(nodes) if full else len(target), is_tuple)
+        for i, child in enumerate(nodes):
+            child_keys = (*keys, i)
+            if not self.selection.wanted(child_keys):
+                continue
+            if i < len(target):
+                out.items[i] = self.plan(target[i], child, child_keys, full)
+            elif full:
+                out.items[i] = self.plan(ABSENT, child, child_keys, full)
+            else:
+                self.unexpected.append(display(child_keys))
+        for i in range(len(nodes), len(target)):
+            if self.selection.wanted((*keys, i)):
+                self.missing.append(display((*keys, i)))
+        return out
+
+
+_KINDS = {"T": "tensor", "D": "dict", "L": "list", "U": "list"}
+
+
+def _kind(value: Any) -> str:
+    if value is ABSENT:
+        return "absent"
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, Mapping):
+        return "dict"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return "value"
+
+
+def _has_tensor(node: Any) -> bool:
+    ((tag, body),) = node.items()
+    if tag == "T":
+        return True
+    if tag == "D":
+        return any(_has_tensor(child) for _, child in body)
+    if tag in ("L", "U"):
+        return any(_has_tensor(child) for child in body)
+    if tag in ("M", "O", "S"):
+        return _has_tensor(body)
+    return False
+
+
+def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+
+
+def _apply(target: Any, loaded: Any) -> Any:
+    """Put ``loaded`` into ``target`` where it is a container; the value for its position."""
+    if loaded is target:
+        return target
+    if isinstance(loaded, _Map):
+        if isinstance(target, dict) or (isinstance(target, Mapping) and hasattr(target, "__setitem__")):
+            for k, v in loaded.items():
+                current = target.get(k, ABSENT)
+                new = _apply(current, v)
+                if new is not current:
+                    target[k] = new
+            return target
+        return {k: _apply(ABSENT, v) for k, v in loaded.items()}
+    if isinstance(loaded, _Seq):
+        if isinstance(target, (list, tuple)):
+            values = list(target)
+            for i in sorted(loaded.items):
+                current = values[i] if i < len(values) else ABSENT
+                new = _apply(current, loaded.items[i])
+                if i < len(values):
+                    values[i] = new
+                else:
+                    values.append(new)
+            if isinstance(target, list):
+                for i, v in enumerate(values):
+                    if i >= len(target):
+                        target.append(v)
+                    elif v is not target[i]:
+                        target[i] = v
+                return target
+            changed = len(values) != len(target) or any(
+                a is not b for a, b in zip(values, target, strict=False)
+            )
+            return tuple(values) if changed else target
+        values = [_apply(ABSENT, loaded.items[i]) for i in range(loaded.length)]
+        return tuple(values) if loaded.is_tuple else values
+    return loaded
+
+
+# --- without a template --------------------------------------------------------------------
+
+
+def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
+    """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
+
+    On a run root: the checkpoint auto-resume would take (or ``step``); on a
+    ``step_<N>`` directory: that one. Keys keep their types (int keys, tuples),
+    tensors their dtypes, and sharded tensors come back whole. Modules come
+    back as their ``state_dict()``, optimizers as the FQN-keyed dict of
+    ``get_optimizer_state_dict`` (load it with ``set_optimizer_state_dict``),
+    ``Stateful`` objects as their ``state_dict()``. Verified like ``restore``
+    (committed, files as recorded, checksums) and pickle-free. Not collective:
+    each caller reads the whole checkpoint. Raises
+    :class:`~safeckpt.CheckpointNotFoundError` when there is nothing to load.
+    """
+    from .errors import CheckpointNotFoundError, ConfigError
+    from .layout import Layout
+    from .restore import choose_checkpoint, verify_checkpoint
+
+    path = Path(root_or_checkpoint_dir).absolute()
+    if (path / "metadata.json").exists():
+        if step is not None:
+            raise ConfigError(f"load({path}): a checkpoint directory takes no step=; pass the run root.")
+        directory = path
+        record = verify_checkpoint(directory)
+    else:
+        found = choose_checkpoint(Layout(path), step, None)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"there is no complete checkpoint in {path} to load. Pass a run root or a step_<N> "
+                "directory that `safeckpt ls` lists.",
+                path=str(path),
+            )
+        directory, record = found
+    metadata = dcp_io.read_metadata(directory, record=record)
+    tree, _ = read_tree(directory, record, None)
+    if isinstance(tree, Legacy):
+        raise IncompleteCheckpointError(
+            f"{directory} was written by safeckpt 0.1, whose files safeckpt.load cannot rebuild "
+            "without a template; restore it into your model and optimizer with "
+            "CheckpointManager.restore.",
+            path=str(directory),
+        )
+    plan = LoadPlan(metadata.state_dict_metadata, Selection(None, None), {})
+    loaded = plan.plan(ABSENT, tree, ())
+    if plan.damage:
+        raise IncompleteCheckpointError(
+            f"{directory} is damaged: {'; '.join(plan.damage[:5])}. Load another checkpoint.",
+            path=str(directory),
+        )
+    if plan.dcp:
+        dcp_io.load(nest_for_dcp(plan.dcp), directory, None)
+    return plan.apply(ABSENT, loaded)
