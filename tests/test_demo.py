@@ -1,4 +1,5 @@
-"""The demo, run as real processes: killed with SIGKILL, resumed, and bit-exact at the end."""
+"""The demo, run as real processes: killed with SIGKILL or stopped with SIGTERM, resumed, and
+bit-exact at the end."""
 
 from __future__ import annotations
 
@@ -116,6 +117,38 @@ def test_killed_and_resumed_runs_end_with_the_same_hash(tmp_path: Path, referenc
     assert "committed step" not in fourth.stdout
     assert final_hash(fourth) == digest
     assert read_record(root / "step_60").metrics.keys() == {"loss"}
+
+
+def test_sigterm_saves_the_step_it_is_at_and_the_resumed_run_ends_with_the_same_hash(
+    tmp_path: Path, reference
+) -> None:
+    digest, _, _ = reference
+    root = tmp_path / "root"
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "safeckpt.demo", "--dir", str(root), *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the first commit: training is under way, 50 steps to go
+        seen.append(line)
+        if re.search(r"committed step 10\b", line):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    found = re.search(r"SIGTERM: saved step (\d+) and stopped", output)
+    assert found, output
+    stopped = int(found.group(1))
+    assert 10 <= stopped < 60 and latest_step(root) == stopped and not HASH.search(output)
+    resumed = run_demo(root)
+    assert resumed_from(resumed) == stopped
+    assert final_hash(resumed) == digest
 
 
 def test_demo_with_bad_options_fails_in_one_line(tmp_path: Path) -> None:

@@ -4,6 +4,10 @@
     safeckpt demo --dir runs/demo --kill-at 130    # SIGKILLs itself at step 130, mid-run
     safeckpt demo --dir runs/demo                  # prints "resumed from step N", finishes
 
+``kill -TERM <pid>`` (or SIGUSR1, as SLURM sends) mid-run is a preemption: the
+demo saves the step it is at, waits until that save is durable, and exits with
+status 128 + the signal (143 for SIGTERM); run it again and it resumes there.
+
 Whether or not the run was interrupted, it ends with the same ``final weights
 sha256``: model, optimizer, LR scheduler, data position and RNG all travel in the
 checkpoint, so a resumed run continues exactly where the saved one was.
@@ -120,7 +124,7 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``safeckpt demo`` and ``python -m safeckpt.demo``)."""
-    from .cli_args import non_negative_int, positive_int
+    from .cli.args import non_negative_int, positive_int
 
     parser.add_argument("--dir", default=DEFAULT_DIR, help=f"checkpoint root (default: {DEFAULT_DIR})")
     parser.add_argument(
@@ -228,22 +232,28 @@ def _die(console: Console, progress: Progress, step: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, checkpoint, maybe die; print ``resumed from step N`` and ``final weights sha256``."""
+    """Train, checkpoint, maybe die; print ``resumed from step N`` and ``final weights sha256``.
+
+    Returns the exit status: 0 when the run finished, 128 + the signal after a preemption.
+    """
     _configure_torch()
     rank, world_size = _init_distributed()
     console = Console(quiet=rank != 0, highlight=False, soft_wrap=True)
     try:
         with _show_library_logs(console) if rank == 0 else contextlib.nullcontext():
-            _run(args, console, rank, world_size)
+            return _run(args, console, rank, world_size)
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
 
 
-def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int) -> None:
-    from . import CheckpointManager, Retention
-    from .cli_ls import print_listing
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int) -> int:
+    from . import CheckpointManager, Retention, SaveSchedule
+    from .cli.ls import print_listing
+    from .preemption import signal_name
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = build_model()
@@ -265,11 +275,25 @@ def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int)
         + f", in {root}"
         + (f" ({world_size} ranks)" if world_size > 1 else "")
     )
-    with CheckpointManager(root, async_save=True, retention=retention) as mgr:
-        start = mgr.restore(state)
-        if start and rank == 0:
+    with CheckpointManager(
+        root,
+        async_save=True,
+        retention=retention,
+        schedule=SaveSchedule(every=args.save_every),
+        preemption_signals=PREEMPTION_SIGNALS,
+    ) as mgr:
+        start = (r := mgr.restore(state)).step or 0
+        if r and rank == 0:
             print(f"resumed from step {start}", flush=True)
-        _train(mgr, state, start, args, console, world_size)
+        stopped = _train(mgr, state, start, args, console, world_size)
+        preempted_by = mgr.preemption_signal
+    # leaving the block waited until the last save was durable
+    if preempted_by is not None:
+        console.print(
+            f"[bold yellow]{signal_name(preempted_by)}: saved step {stopped} and stopped; "
+            "run the same command again to resume[/]"
+        )
+        return 128 + preempted_by
     if rank == 0:
         print_listing(console, root, retention)
         digest = weights_sha256(model.state_dict())
@@ -277,11 +301,13 @@ def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int)
             path = _write_weights(model, args.weights_out, digest, args.steps)
             console.print(f"final weights written to {path}")
         print(f"final weights sha256: {digest}", flush=True)
+    return 0
 
 
 def _train(
     mgr: Any, state: dict[str, Any], start: int, args: argparse.Namespace, console: Console, world_size: int
-) -> None:
+) -> int:
+    """Train from ``start``; the step it stopped at (the last, or the one a preemption saved)."""
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
     model.train()
     losses: list[float] = []
@@ -295,6 +321,7 @@ def _train(
     )
     with progress:
         task = progress.add_task("training", total=args.steps, completed=start, loss="-")
+        done = start
         for step in range(start, args.steps):
             x, y = data.next_batch()
             loss = nn.functional.cross_entropy(model(x), y)
@@ -307,13 +334,18 @@ def _train(
             losses.append(loss.item())
             done = step + 1
             progress.update(task, completed=done, loss=f"{losses[-1]:.4f}")
-            if done % args.save_every == 0 or done == args.steps:
+            # every --save-every steps, after a SIGTERM/SIGUSR1 (on any rank), and the last step, once
+            if mgr.should_save(done) or done == args.steps:
                 # the mean loss since the previous save: resumes start at a save, so it
                 # is the same number in a resumed run as in an uninterrupted one
                 mgr.save(done, state, metrics={METRIC: sum(losses) / len(losses)})
                 losses.clear()
+            if mgr.preempted:
+                progress.stop()
+                break
             if args.kill_at is not None and done == args.kill_at:
                 _die(console, progress, done)
+    return done
 
 
 def _write_weights(model: nn.Module, out: str, digest: str, step: int) -> Path:

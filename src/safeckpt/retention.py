@@ -11,12 +11,14 @@ protection is not a policy the user can turn off.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from .errors import ConfigError
+from .schedule import Milestones, MilestonesLike, check_seconds
 
 Mode = Literal["min", "max"]
 MissingMetric = Literal["rank_last", "keep"]
@@ -102,6 +104,55 @@ class KeepEvery:
 
 
 @dataclass(frozen=True)
+class KeepMilestones:
+    """Milestones: every checkpoint whose step is one of ``milestones`` (a list, or powers of two).
+
+    Pass the same value as to ``SaveSchedule(milestones=...)``: what the schedule
+    saves as a milestone, retention keeps.
+    """
+
+    milestones: Milestones
+
+    def keep(self, infos: Sequence[CheckpointInfo]) -> frozenset[int]:
+        return frozenset(i.step for i in infos if i.step in self.milestones)
+
+    def reason(self) -> str:
+        return f"milestone ({self.milestones.describe()})"
+
+
+@dataclass(frozen=True)
+class KeepTimeInterval:
+    """One checkpoint per ``seconds`` of wall time, like Orbax's ``keep_time_interval``.
+
+    Walking the checkpoints by the time they were saved, the oldest is kept, and
+    then each one saved at least ``seconds`` after the previous kept one. A
+    newer checkpoint never changes what is kept among older ones, so the choice
+    is stable as a run goes on. Uses the record's time; reads no clock.
+    """
+
+    seconds: float
+
+    def keep(self, infos: Sequence[CheckpointInfo]) -> frozenset[int]:
+        kept: set[int] = set()
+        last: float | None = None
+        for info in sorted(infos, key=lambda i: (i.time, i.step)):
+            if last is None or info.time - last >= self.seconds:
+                kept.add(info.step)
+                last = info.time
+        return frozenset(kept)
+
+    def reason(self) -> str:
+        return f"one per {_duration(self.seconds)}"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)} {unit}"
+    return f"{seconds:g} s"
+
+
+@dataclass(frozen=True)
 class KeepPinned:
     """Checkpoints the user pinned (``mgr.pin(step)``)."""
 
@@ -170,7 +221,16 @@ class Retention:
     missing_metric: MissingMetric = "rank_last"
     """For ``keep_best``: a checkpoint without the metric ranks last, or is always kept."""
 
+    keep_milestones: Milestones | MilestonesLike | None = None
+    """Keep milestone steps: a list, ``"pow2"`` (1, 2, 4, 8, ...) or :class:`Milestones` (a window);
+    the same value as ``SaveSchedule(milestones=...)``."""
+
+    keep_time_interval: float | None = None
+    """Keep one checkpoint per this many seconds of wall time (by the records' times)."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_milestones", Milestones.of(self.keep_milestones))
+        check_seconds("Retention(keep_time_interval=...)", self.keep_time_interval)
         _positive("keep_last", self.keep_last)
         _positive("keep_best", self.keep_best)
         _positive("keep_every", self.keep_every)
@@ -200,6 +260,10 @@ class Retention:
             rules.append(KeepBest(self.keep_best, self.metric, self.mode, self.missing_metric))
         if self.keep_every is not None:
             rules.append(KeepEvery(self.keep_every))
+        if isinstance(self.keep_milestones, Milestones):
+            rules.append(KeepMilestones(self.keep_milestones))
+        if self.keep_time_interval is not None:
+            rules.append(KeepTimeInterval(float(self.keep_time_interval)))
         if not rules:
             rules.append(KeepAll())
         rules.append(KeepPinned())
@@ -209,13 +273,74 @@ class Retention:
         return KeepAny(self.policies())
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if isinstance(self.keep_milestones, Milestones):
+            data["keep_milestones"] = self.keep_milestones.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Retention:
-        """The inverse of :meth:`to_json`; unknown fields (from a newer version) are ignored."""
+        """The inverse of :meth:`to_json`; unknown fields (from a newer version) are ignored.
+
+        Raises :class:`ConfigError` for what :func:`retention_json` wrote for a
+        custom policy: it cannot be rebuilt, and an empty Retention would say
+        "keep everything".
+        """
+        if CUSTOM_POLICY in data:
+            raise ConfigError(
+                f"the recorded retention is a custom policy ({data.get(CUSTOM_POLICY)}: "
+                f"{data.get('reason')}); it cannot be rebuilt. Pass the retention rules explicitly."
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+CUSTOM_POLICY = "custom_policy"
+
+
+def is_policy(value: Any) -> bool:
+    """Whether ``value`` has the :class:`Policy` methods (``keep`` and ``reason``)."""
+    return callable(getattr(value, "keep", None)) and callable(getattr(value, "reason", None))
+
+
+def policies_of(retention: Retention | Policy) -> tuple[Policy, ...]:
+    """The small policies ``retention`` is made of: a Retention's rules, a KeepAny's parts, or itself."""
+    if isinstance(retention, Retention):
+        return retention.policies()
+    if isinstance(retention, KeepAny):
+        return retention.policies
+    return (retention,)
+
+
+def with_pinned(retention: Retention | Policy) -> KeepAny:
+    """The policy the manager applies: ``retention`` or a pinned checkpoint (pins are never pruned)."""
+    parts = policies_of(retention)
+    if not any(isinstance(p, KeepPinned) for p in parts):
+        parts = (*parts, KeepPinned())
+    return KeepAny(parts)
+
+
+def retention_json(retention: Retention | Policy) -> dict[str, Any]:
+    """What a record stores about the retention that wrote it (for ``safeckpt ls``).
+
+    A Retention's fields; a custom policy's own ``to_json()`` if it has one;
+    else its class and ``reason()``.
+    """
+    if isinstance(retention, Retention):
+        return retention.to_json()
+    to_json = getattr(retention, "to_json", None)
+    data = to_json() if callable(to_json) else None
+    if isinstance(data, dict) and _is_json(data):  # what cannot go in a record falls back to reason()
+        return {CUSTOM_POLICY: type(retention).__qualname__, **data}
+    return {CUSTOM_POLICY: type(retention).__qualname__, "reason": retention.reason()}
+
+
+def _is_json(data: Any) -> bool:
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def plan_removals(
@@ -228,18 +353,19 @@ def plan_removals(
 
 def explain(
     infos: Sequence[CheckpointInfo],
-    retention: Retention,
+    retention: Retention | Policy,
     protected: Mapping[int, str] | None = None,
 ) -> dict[int, list[str]]:
     """For each step, why it is kept (empty list: it would be removed).
 
-    ``protected`` maps protected steps to their reason ("latest", "writing").
+    ``retention`` is a Retention or any policy (a KeepAny is explained part by
+    part). ``protected`` maps protected steps to their reason ("latest", "writing").
     """
     reasons: dict[int, list[str]] = {i.step: [] for i in infos}
     for step, why in (protected or {}).items():
         if step in reasons:
             reasons[step].append(why)
-    for policy in retention.policies():
+    for policy in policies_of(retention):
         for step in policy.keep(infos):
             reasons[step].append(policy.reason())
     return reasons
