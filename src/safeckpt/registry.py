@@ -1,9 +1,16 @@
 """Registrars: tell something outside the root (a model registry, an index) about a commit.
 
 A registrar runs on rank 0 after a checkpoint is committed and ``latest`` names
-it. Whatever it returns is stored in the record's ``registration`` field. If it
-raises, only the registration is lost: the checkpoint stays committed, the
-record says ``{"status": "failed", "error": ...}`` and a warning is logged.
+it, on the manager's registration thread (:mod:`safeckpt.registration`), so it
+never delays a save, a commit or pruning. Whatever it returns is stored in the
+record's ``registration`` field. If it raises (anything, ``BaseException``
+included), only the registration is lost: the checkpoint stays committed, the
+record says ``{"status": "failed", "error": ..., "time": ...}``, a warning is
+logged, and the registration is retried at the next commit.
+
+Optional methods a registrar may have: ``should_register(info: CommitInfo) ->
+bool`` (default: every commit), ``to_json() -> dict`` with a ``"kind"`` key (so
+``safeckpt register`` can rebuild it) and ``close()`` (called once at the end).
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from .record import Record
 
 @runtime_checkable
 class Registrar(Protocol):
-    """Called once per committed checkpoint, on rank 0, from the thread that committed it.
+    """Called once per chosen committed checkpoint, on rank 0, from the registration thread.
 
     ``register`` returns JSON data to keep in the record (or None). It may be
-    slow (it delays the next commit, never training) and it may raise.
+    slow (it delays only the registrations after it) and it may raise. It may
+    be called again for a step it already registered (a retry, ``safeckpt
+    register``): make it idempotent where a duplicate matters.
     """
 
     def register(self, step: int, path: Path, record: Record) -> Mapping[str, Any] | None: ...
@@ -49,3 +58,6 @@ class JsonlIndexRegistrar:
             f.flush()
             os.fsync(f.fileno())
         return {"index": str(self.index_path)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "jsonl", "index_path": str(self.index_path)}
