@@ -1,0 +1,93 @@
+"""One Lightning checkpoint file: its staging buffers and its atomic write.
+
+* :class:`CheckpointSlot` copies a checkpoint dict's tensors into host buffers kept
+  from save to save (a :class:`~safeckpt.writer.StagingSlot` that keeps container
+  types), :class:`SlotPool` bounds how many staged checkpoints wait;
+* :func:`write_checkpoint` is ``torch.save`` with ``atomic.atomic_write``'s
+  protocol (temp sibling, fsync, ``os.replace``, directory fsync), streamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..fileops import FileOps
+from ..writer import StagingSlot
+
+TEMP_NAME = re.compile(r"\..+\.tmp\.[0-9a-f]{12}")
+"""The temp files :func:`write_checkpoint` makes (``.<name>.tmp.<12 hex>``)."""
+
+
+class CheckpointSlot(StagingSlot):
+    """A :class:`StagingSlot` that keeps container types and attributes.
+
+    A checkpoint's ``state_dict`` is an ``OrderedDict`` whose ``_metadata`` (module
+    versions) ``load_state_dict`` reads, and ``hyper_parameters`` may be an
+    ``AttributeDict``: a shallow copy keeps both, then tensors go into the buffers.
+    """
+
+    def _stage(
+        self, value: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]], device_copy: list[bool]
+    ) -> Any:
+        if isinstance(value, torch.Tensor):
+            seen.add(path)
+            return self._copy(value, path, device_copy)
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = self._stage(item, (*path, key), seen, device_copy)
+            return out
+        if type(value) in (list, tuple):
+            return type(value)(self._stage(v, (*path, i), seen, device_copy) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+
+class SlotPool:
+    """``depth`` reusable slots; ``acquire`` blocks while all of them hold queued or writing saves."""
+
+    def __init__(self, depth: int) -> None:
+        self._free = [CheckpointSlot() for _ in range(depth)]
+        self._cond = threading.Condition()
+
+    def acquire(self) -> CheckpointSlot:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop()
+
+    def release(self, slot: CheckpointSlot) -> None:
+        with self._cond:
+            if slot not in self._free:
+                self._free.append(slot)
+                self._cond.notify()
+
+
+def write_checkpoint(path: Path, checkpoint: Any, ops: FileOps) -> None:
+    """``torch.save`` into a temp sibling, fsync, ``os.replace``, fsync the directory."""
+    _atomic_stream(path, lambda f: torch.save(checkpoint, f), ops)
+
+
+def _atomic_stream(path: Path, write: Callable[[Any], None], ops: FileOps) -> None:
+    # atomic.atomic_write's protocol, streaming: a 1 GiB checkpoint is not built in memory first.
+    tmp = path.with_name(f".{path.name}.tmp.{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        ops.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    ops.fsync_dir(path.parent)

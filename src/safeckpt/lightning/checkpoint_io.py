@@ -1,0 +1,393 @@
+"""SafeCheckpointIO: a Lightning ``CheckpointIO`` whose async saves and removals never race.
+
+Lightning's ``AsyncCheckpointIO`` hands each save to a thread pool and lets
+``remove_checkpoint`` delete a path blindly; a top-k removal that reaches a save
+still in the queue finds nothing, and the write then creates the file: a stale
+checkpoint ``ModelCheckpoint`` believes it deleted. Here every save of a path
+has a state (queued, writing, committed) under one lock, and a removal is a
+decision about that state:
+
+* queued: the save is cancelled and never written;
+* writing: the file is removed right after its write ends, never during it;
+* committed (or a file from an earlier run): renamed into ``<dir>/.trash/`` at
+  once, then deleted by the background :class:`~safeckpt.removal.Deleter`
+  (NFS retries, the shared 0.75 s budget, drained at ``teardown()``).
+
+Each file is what ``torch.save(checkpoint)`` writes (Lightning's own format),
+written to a temp sibling, fsynced, ``os.replace``-d into place and its
+directory fsynced: a kill at any instant leaves the previous file or the new
+one. Call rules: Lightning calls ``save_checkpoint`` and ``remove_checkpoint``
+on global rank 0 only (this class does nothing on other ranks, like Lightning's
+own plugins), ``load_checkpoint`` on every rank, ``teardown()`` after each
+``fit``/``validate``; all from the training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
+from ..fileops import DEFAULT_FILE_OPS, FileOps
+from ..layout import Layout
+from ..lock import SidecarLock
+from ..removal import Deleter
+from ..writer import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter
+from .checkpoint_file import TEMP_NAME, CheckpointSlot, SlotPool, write_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SafeCheckpointIO", "StorageOptionsError"]
+
+
+class StorageOptionsError(ConfigError, TypeError):
+    """``save_checkpoint(..., storage_options=...)`` got options this plugin does not support."""
+
+
+def _keep_on_cpu(storage: Any, location: str) -> Any:
+    return storage  # Lightning's default map_location: tensors stay where torch.load puts them
+
+
+@dataclass(eq=False)
+class _Save:
+    """One save of one path. ``status`` and ``remove_after`` change under the plugin's state lock."""
+
+    seq: int
+    path: Path
+    data: Any
+    slot: CheckpointSlot | None
+    status: str = QUEUED
+    remove_after: bool = False
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def step(self) -> int:  # BackgroundWriter names a job by its step in its logs
+        return self.seq
+
+
+@dataclass
+class _Dir:
+    """The removal machinery of one checkpoint directory: its trash, lock and deleter."""
+
+    layout: Layout
+    lock: SidecarLock
+    deleter: Deleter
+
+
+class SafeCheckpointIO(CheckpointIO):
+    """Async, atomic, race-free checkpoint files for Lightning: ``Trainer(plugins=[SafeCheckpointIO()])``.
+
+    Args:
+        async_save: ``save_checkpoint`` returns once the checkpoint's tensors are
+            copied into reused host buffers; a background thread writes the file.
+            False: it returns once the file is durable.
+        queue_depth: saves that may be staged while earlier ones are written
+            (each costs one host copy of the checkpoint). When all are in use,
+            ``save_checkpoint`` waits for the oldest write to end.
+        drain_timeout: how long ``teardown()`` keeps retrying deletions of removed
+            checkpoints (a slow NFS server can hold a ``.nfs`` file for seconds).
+        lock_timeout: how long to wait for a directory's sidecar lock (``<dir>/.lock``).
+        retry_interval: seconds between background deletion passes while some fail.
+        file_ops: the filesystem seam (tests inject faults and delays through it).
+
+    A background write error is raised once, as :class:`~safeckpt.SaveFailedError`,
+    by the next ``save_checkpoint``/``remove_checkpoint``/``load_checkpoint``/``wait``
+    or by ``teardown()``, then cleared. Local and mounted filesystems only.
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = True,
+        queue_depth: int = 2,
+        drain_timeout: float = 30.0,
+        lock_timeout: float = 300.0,
+        retry_interval: float = 1.0,
+        file_ops: FileOps | None = None,
+    ) -> None:
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
+            raise ConfigError(f"SafeCheckpointIO(queue_depth={queue_depth!r}): must be a positive integer.")
+        self.async_save = async_save
+        self.queue_depth = queue_depth
+        self.drain_timeout = drain_timeout
+        self.lock_timeout = lock_timeout
+        self.retry_interval = retry_interval
+        self._ops = file_ops or DEFAULT_FILE_OPS
+        self._state = threading.Lock()  # guards _inflight, _error and every _Save's status
+        self._inflight: dict[Path, list[_Save]] = {}  # queued and writing saves, per path, in order
+        self._error: BaseException | None = None
+        self._seq = 0
+        self._writer: BackgroundWriter | None = None
+        self._pool: SlotPool | None = None
+        self._dirs: dict[Path, _Dir] = {}
+        self._dirs_lock = threading.Lock()
+        self._swept: set[Path] = set()  # directories whose leftover temp files were collected
+        self.cancelled = 0  # saves a removal cancelled before they were written (tests read it)
+        self.removed_after_write = 0  # saves a removal reached while they were being written
+
+    # --- Lightning's interface -------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        """Save ``checkpoint`` to ``path`` (rank 0); see the class doc for when it returns.
+
+        Raises :class:`StorageOptionsError` for any ``storage_options`` but None or
+        an empty mapping, and a failed earlier background save (once).
+        """
+        _check_storage_options(storage_options)
+        self._raise_pending()
+        if not _is_rank_zero():
+            return
+        target = _local_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.parent not in self._swept:
+            self._sweep(target.parent)
+        if not self.async_save:
+            write_checkpoint(target, checkpoint, self._ops)
+            return
+        writer, pool = self._start()
+        slot = pool.acquire()
+        try:
+            data = slot.stage(checkpoint)
+        except BaseException:
+            pool.release(slot)
+            raise
+        with self._state:
+            self._seq += 1
+            job = _Save(self._seq, target, data, slot)
+            for older in list(self._inflight.get(target, ())):  # _cancel edits the list
+                if older.status == QUEUED:  # superseded: this save writes the same path later
+                    self._cancel(older)
+            self._inflight.setdefault(target, []).append(job)
+        writer.submit(job)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any | None = _keep_on_cpu,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load ``path`` with ``torch.load`` (waiting first for this plugin's saves of it)."""
+        self._raise_pending()
+        target = _local_path(path)
+        with self._state:
+            pending = list(self._inflight.get(target, ()))
+        for job in pending:
+            job.done.wait()
+        self._raise_pending()
+        if not target.exists():
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}", path=str(target))
+        return pl_load(target, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Make ``path`` go away: cancel its queued save, remove it after its write, or trash it (rank 0)."""
+        self._raise_pending()
+        if not _is_rank_zero():
+            return
+        target = _local_path(path)
+        writing = False
+        with self._state:
+            for job in list(self._inflight.get(target, ())):  # _cancel edits the list
+                if job.status == QUEUED:
+                    self._cancel(job)
+                elif job.status == WRITING and not job.remove_after:
+                    job.remove_after = True  # the writer trashes it once the file is whole
+                    self.removed_after_write += 1
+                    writing = True
+                elif job.status == WRITING:
+                    writing = True
+        if not writing:
+            # No save of this path is queued or writing now, and the single writer starts
+            # none before the next save_checkpoint: the file on disk is committed.
+            self._discard(target)
+
+    def teardown(self) -> None:
+        """Wait for every save, drain the trash, stop the threads; raise a failed save once.
+
+        Idempotent, and the plugin can be used again afterwards (Lightning tears
+        it down after ``validate`` and again after ``fit``).
+        """
+        try:
+            if self._writer is not None:
+                self._writer.wait_idle()
+                self._writer.close()
+        finally:
+            self._writer = None
+            self._pool = None  # frees the host buffers between runs
+            with self._dirs_lock:
+                dirs, self._dirs = self._dirs, {}
+            for d in dirs.values():
+                d.deleter.drain(self.drain_timeout)
+                d.deleter.close()
+                d.lock.close()
+        self._raise_pending()
+
+    # --- extras ------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every save handed in so far is durable (or failed); raise a failure once."""
+        if self._writer is not None:
+            self._writer.wait_idle()
+        self._raise_pending()
+
+    def pending_paths(self) -> list[Path]:
+        """Paths with a save queued or being written, oldest first."""
+        with self._state:
+            return sorted(self._inflight, key=lambda p: self._inflight[p][0].seq)
+
+    # --- the mechanism -----------------------------------------------------------------
+
+    def _start(self) -> tuple[BackgroundWriter, SlotPool]:
+        if self._writer is None or self._pool is None:
+            self._pool = SlotPool(self.queue_depth)
+            self._writer = BackgroundWriter(self._persist, name="safeckpt-lightning-writer")
+        return self._writer, self._pool
+
+    def _cancel(self, job: _Save) -> None:
+        """Under the state lock: a queued save is dropped; its buffers go back at once."""
+        job.status = CANCELLED
+        self.cancelled += 1
+        self._release(job)
+        self._forget(job)
+        logger.info("safeckpt: cancelled the queued save of %s (removed before it was written)", job.path)
+
+    def _release(self, job: _Save) -> None:
+        job.data = None
+        if job.slot is not None and self._pool is not None:
+            self._pool.release(job.slot)
+        job.slot = None
+
+    def _forget(self, job: _Save) -> None:
+        jobs = self._inflight.get(job.path)
+        if jobs is not None and job in jobs:
+            jobs.remove(job)
+            if not jobs:
+                del self._inflight[job.path]
+
+    def _persist(self, job: _Save) -> None:
+        """Writer thread: write one save unless it was cancelled; trash it after if it was removed."""
+        with self._state:
+            if job.status == CANCELLED:
+                return
+            job.status = WRITING
+            data = job.data
+        error: BaseException | None = None
+        try:
+            write_checkpoint(job.path, data, self._ops)
+        except Exception as e:
+            error = e
+        finally:
+            del data
+            with self._state:
+                self._release(job)
+        with self._state:
+            self._forget(job)
+            job.status = FAILED if error is not None else COMMITTED
+            remove = job.remove_after
+            if error is not None:
+                job.error = SaveFailedError(
+                    f"writing the checkpoint {job.path} failed ({type(error).__name__}: {error}); the "
+                    "file is unchanged (a previous version, if any, is intact). Check the disk and "
+                    "its permissions; training can go on.",
+                    path=str(job.path),
+                    cause=error,
+                )
+                job.error.__cause__ = error
+                if self._error is None:
+                    self._error = job.error
+                else:
+                    logger.error("safeckpt: %s", job.error)
+        if remove and error is None:
+            self._discard(job.path)
+
+    def _discard(self, target: Path) -> None:
+        """Rename a committed file into ``<dir>/.trash/`` and let the deleter remove it."""
+        if not os.path.lexists(target):
+            return
+        d = self._dir(target.parent)
+        trash = d.layout.trash / f"{target.name}.{uuid.uuid4().hex[:12]}"
+        try:
+            with d.lock:
+                d.layout.trash.mkdir(exist_ok=True)
+                with contextlib.suppress(FileNotFoundError):  # already gone
+                    self._ops.replace(target, trash)
+        except OSError as e:  # removal never fails training; the caller sees a warning
+            logger.warning("safeckpt: could not remove %s (%s); remove it by hand", target, e)
+            return
+        d.deleter.schedule()
+
+    def _sweep(self, directory: Path) -> None:
+        """Trash the temp files of writes a crash interrupted (before this plugin's first save there).
+
+        Only names this plugin makes (``.<name>.tmp.<12 hex>``); one writer per
+        directory is assumed, as Lightning writes from global rank 0 only.
+        """
+        self._swept.add(directory)
+        temps = [p for p in directory.glob(".*.tmp.*") if TEMP_NAME.fullmatch(p.name)]
+        if not temps:
+            return
+        d = self._dir(directory)
+        with d.lock:
+            d.layout.trash.mkdir(exist_ok=True)
+            for temp in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    self._ops.replace(temp, d.layout.trash / temp.name)
+        logger.info("safeckpt: collected %d interrupted write(s) in %s", len(temps), directory)
+        d.deleter.schedule()
+
+    def _dir(self, directory: Path) -> _Dir:
+        with self._dirs_lock:  # the training and the writer thread both remove
+            d = self._dirs.get(directory)
+            if d is None:
+                layout = Layout(directory)
+                lock = SidecarLock(layout.lock_path, timeout=self.lock_timeout)
+                deleter = Deleter(layout, lock, self._ops, retry_interval=self.retry_interval)
+                deleter.start()
+                d = self._dirs[directory] = _Dir(layout, lock, deleter)
+            return d
+
+    def _raise_pending(self) -> None:
+        with self._state:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def _is_rank_zero() -> bool:
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def _check_storage_options(options: Any) -> None:
+    if options is None or (isinstance(options, Mapping) and not options):
+        return
+    raise StorageOptionsError(
+        f"SafeCheckpointIO does not support storage_options={options!r}: it writes one "
+        "torch.save file per checkpoint, atomically. Drop storage_options, or use a CheckpointIO "
+        "that defines them."
+    )
+
+
+def _local_path(path: str | os.PathLike[str]) -> Path:
+    text = os.fspath(path)
+    if "://" in text:
+        if not text.startswith("file://"):
+            raise ConfigError(
+                f"SafeCheckpointIO writes local or mounted filesystems only, not {text!r}: its "
+                "atomicity rests on os.replace and fsync. Mount the storage, or use Lightning's "
+                "TorchCheckpointIO for object stores."
+            )
+        text = text[len("file://") :]
+    return Path(os.path.abspath(text))
