@@ -1,7 +1,8 @@
-"""The ``safeckpt`` command: ls, verify, prune, pin/unpin and its errors.
+"""The ``safeckpt`` command: ls, verify, prune, pin/unpin, help and errors.
 
-Most tests call ``main(argv)`` in this process; the error-path tests run the
-real command in a subprocess, as a user would.
+Most tests call ``main(argv)`` in this process; the exit-code and error-path tests
+run the real command in a subprocess, as a user would. inspect, gc, export/import
+and register have their own test files (test_cli_*.py, test_export.py).
 """
 
 from __future__ import annotations
@@ -194,6 +195,56 @@ def test_verify_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "no checkpoint of step 15" in capsys.readouterr().err
 
 
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    """The real command in a subprocess (the console script when installed)."""
+    script = Path(sys.executable).parent / "safeckpt"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "safeckpt"]
+    env = {k: v for k, v in os.environ.items() if k != "SAFECKPT_DEBUG"}
+    return subprocess.run(
+        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+    )
+
+
+def test_verify_exit_codes_through_the_command(ckpt: Path) -> None:
+    healthy = run_cli("verify", ckpt, "--json")
+    assert healthy.returncode == 0, healthy.stderr
+    data = json.loads(healthy.stdout)
+    assert data["schema_version"] == 1 and data["ok"] is True and data["broken"] == []
+    assert sorted(map(int, data["checkpoints"])) == sorted(LOSSES)
+
+    # same size, one byte changed in the middle of a data file: only its checksum tells
+    victim = max((p for p in (ckpt / "step_40").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged = run_cli("verify", ckpt, "20", "40", "--json")
+    assert damaged.returncode == 1, damaged.stderr
+    data = json.loads(damaged.stdout)
+    assert data["ok"] is False and data["broken"] == [40] and sorted(data["checkpoints"]) == ["20", "40"]
+    assert any(victim.name in problem for problem in data["checkpoints"]["40"])
+
+    plain = run_cli("verify", ckpt)
+    assert plain.returncode == 1 and "step 40: BROKEN" in plain.stdout and "step 50: ok" in plain.stdout
+    assert plain.stderr == ""  # no progress bar when stderr is not a terminal
+
+    usage = run_cli("verify", ckpt, "forty")
+    assert usage.returncode == 2 and usage.stderr.count("\n") == 1 and "--help" in usage.stderr
+
+    missing = run_cli("verify", ckpt.parent / "nope")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+
+
+def test_verify_positional_steps(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(ckpt), "20", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "step 20: ok" in out and "step 30: ok" in out and "step 10" not in out
+    assert "2 checked, 0 broken" in out
+    assert main(["verify", str(ckpt), "20", "15"]) == 1
+    assert "no checkpoint of step 15" in capsys.readouterr().err
+
+
 # --- prune ---------------------------------------------------------------------------------------
 
 
@@ -308,10 +359,30 @@ def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixtur
     assert err.count("\n") == 1 and "error:" in err and "--help" in err, err
 
 
+COMMANDS = ("demo", "ls", "inspect", "verify", "prune", "pin", "unpin", "gc", "export", "import", "register")
+
+
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("demo", "ls", "verify", "prune", "pin", "unpin"):
+    for command in COMMANDS:
         assert f"    {command} " in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    examples = out[out.index("examples:") :].splitlines()[1:]
+    assert examples and all(line.strip().startswith(("safeckpt ", "torchrun ")) for line in examples if line)
+    assert any(line.strip().startswith(f"safeckpt {command}") for line in examples)
+
+
+def test_json_outputs_carry_the_schema_version(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["ls", str(ckpt)], ["prune", str(ckpt), "--keep-last", "9", "--dry-run"], ["gc", str(ckpt)]):
+        assert main([*argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["schema_version"] == 1

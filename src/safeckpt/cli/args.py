@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import ConfigError
-from .retention import Retention
+from ..errors import ConfigError
+from ..retention import Retention
 
 
 def positive_int(text: str) -> int:
@@ -68,3 +68,30 @@ def retention_from_args(args: argparse.Namespace) -> Retention | None:
         mode=args.mode,
         keep_every=args.keep_every,
     )
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+
+
+def byte_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1048576``: a positive number of bytes.
+
+    ``GB``/``MB`` are powers of 1000 (as in Hugging Face's ``max_shard_size``), ``GiB``/``MiB``
+    powers of 1024.
+    """
+    value = text.strip().upper()
+    binary = value.endswith("IB")
+    unit = value[:-2] if binary else value.rstrip("B")
+    number = unit.rstrip("KMGT")
+    prefix = unit[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a size like 5GB or 500MB, got {text!r}") from None
+    if len(prefix) > 1 or (binary and not prefix):
+        raise argparse.ArgumentTypeError(f"must be a size like 5GB or 500MB, got {text!r}")
+    scale = 1024 ** ("KMGT".index(prefix) + 1) if binary else _SIZE_UNITS[prefix]
+    size = int(amount * scale)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return size

@@ -2,48 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .catalog import Catalog, Entry, scan, verify_files
-from .errors import CheckpointError, CheckpointNotFoundError
-from .failures import human_size
-from .maintenance import infos, protected_steps
-from .record import list_files
-from .retention import Retention, explain
+from ..catalog import Entry, scan, verify_files
+from ..failures import human_size
+from ..inspection import kept_because, recorded_retention
+from ..record import list_files
+from ..retention import Retention
+from .args import add_retention_arguments, retention_from_args
+from .common import EXIT_OK, add_command, existing_root, out, print_json
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
-
-
-def existing_root(root: str | os.PathLike[str]) -> Path:
-    """``root`` as an absolute path; raises unless it is an existing directory."""
-    path = Path(root).absolute()
-    if not path.exists():
-        raise CheckpointNotFoundError(
-            f"{root} does not exist. Pass the checkpoint root of a run (the directory given to "
-            "CheckpointManager, or the --dir of `safeckpt demo`).",
-            path=str(path),
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"{root} is not a directory; pass a checkpoint root.", path=str(path))
-    return path
-
-
-def recorded_retention(catalog: Catalog) -> Retention | None:
-    """The retention the job that wrote the newest record used, if it says."""
-    for entry in sorted(catalog.committed.values(), key=lambda e: e.step, reverse=True):
-        if entry.record is not None and entry.record.retention is not None:
-            try:
-                return Retention.from_json(entry.record.retention)
-            except (CheckpointError, TypeError):
-                return None
-    return None
 
 
 def listing(root: str | os.PathLike[str], retention: Retention | None = None) -> dict[str, Any]:
@@ -60,19 +36,12 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     if retention is None:
         retention = recorded_retention(catalog)
         source = "recorded"
-    protected = {step: _protected_reason(catalog, step) for step in protected_steps(catalog)}
-    reasons = explain(infos(catalog), retention, protected) if retention is not None else {}
+    reasons = kept_because(catalog, retention)
     checkpoints = []
     for entry in catalog.entries:
         problems = verify_files(entry)
         record = entry.record
-        if not problems and record is not None:
-            kept = reasons.get(entry.step) if retention is not None else None
-            if kept is None:
-                kept = [protected[entry.step]] if entry.step in protected else []
-                kept += ["pinned"] if record.pinned else []
-        else:
-            kept = []
+        kept = reasons.get(entry.step, []) if not problems else []
         checkpoints.append(
             {
                 "step": entry.step,
@@ -84,24 +53,21 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
                 "size": record.size if record and not problems else _disk_size(entry),
                 "metrics": dict(record.metrics) if record else {},
                 "pinned": bool(record and record.pinned),
-                "latest": entry.step == catalog.latest_step,
+                "latest": entry.step == catalog.pointer_step,
                 "kept_because": kept,
             }
         )
     return {
         "root": str(path),
-        "latest": catalog.latest_step,
+        "latest": catalog.pointer_step,
         "latest_name": catalog.latest_name,
+        "resume_step": catalog.latest_step,
         "retention": None if retention is None else retention.policy().reason(),
         "retention_source": None if retention is None else source,
         "checkpoints": checkpoints,
         "staging": [p.name for p in catalog.staging],
         "trash": [p.name for p in catalog.trash],
     }
-
-
-def _protected_reason(catalog: Catalog, step: int) -> str:
-    return "latest" if step == catalog.latest_step else "newest (`latest` is missing or broken)"
 
 
 def _local_iso(t: float) -> str:
@@ -185,3 +151,31 @@ def footnotes(data: dict[str, Any]) -> list[str]:
 
 def print_listing(console: Console, root: str | os.PathLike[str], retention: Retention | None) -> None:
     render(console, listing(root, retention))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    data = listing(args.root, retention_from_args(args))
+    if args.json:
+        print_json(data)
+    else:
+        render(out(), data)
+    return EXIT_OK
+
+
+def add_parser(commands: Any) -> None:
+    ls = add_command(
+        commands,
+        "ls",
+        help="list the checkpoints of a root",
+        description="List the checkpoints of ROOT: step, time, size, metrics, status, why each is "
+        "kept. With retention options, also what a prune with them would remove.",
+        examples="""
+safeckpt ls runs/exp1
+safeckpt ls runs/exp1 --keep-last 3 --keep-best 2 --metric loss   # what would a prune keep?
+safeckpt ls runs/exp1 --json | jq '.checkpoints[].step'
+""",
+    )
+    ls.add_argument("root", metavar="ROOT")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_retention_arguments(ls)
+    ls.set_defaults(func=cmd_ls)

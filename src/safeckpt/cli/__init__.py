@@ -1,0 +1,67 @@
+"""The ``safeckpt`` command: a look at and care of checkpoint roots, and the demo.
+
+    safeckpt ls ROOT [--json] [--keep-last N] [--keep-best K --metric NAME] ...
+    safeckpt inspect ROOT [STEP|PATH] [--json]
+    safeckpt verify ROOT [STEP ...] [--json]
+    safeckpt prune ROOT --keep-last N ... [--dry-run] [--json]
+    safeckpt pin ROOT STEP / safeckpt unpin ROOT STEP
+    safeckpt gc ROOT [--dry-run] [--json]
+    safeckpt export ROOT --to OUT [--step N] [--key model] [--format safetensors|hf] ...
+    safeckpt import WEIGHTS --to ROOT [--step 0]
+    safeckpt register ROOT [--step N] [--json]
+    safeckpt demo [--dir DIR] [--steps N] [--kill-at STEP] ...
+
+One module per command group, each a thin layer over the library functions the
+Python API uses (:mod:`safeckpt.maintenance`, :mod:`safeckpt.inspection`,
+:mod:`safeckpt.gc`, :mod:`safeckpt.export`, :mod:`safeckpt.registration`). None
+of them except ``import`` and ``demo`` starts a ``CheckpointManager`` on the
+root: a manager takes ownership of a root and collects its ``.staging/``.
+
+Exit codes: 0 ok, 1 failed (or, for ``verify``, something is broken), 2 bad
+usage, 130 interrupted. Errors are one line on stderr; ``SAFECKPT_DEBUG=1``
+adds the traceback. Schemas of the ``--json`` outputs: docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from .._version import __version__
+from . import demo, export, gc, inspect, ls, prune, register, verify
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SCHEMA_VERSION, Parser, run_command
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "SCHEMA_VERSION",
+    "build_parser",
+    "main",
+]
+
+_GROUPS = (demo, ls, inspect, verify, prune, gc, export, register)
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="safeckpt",
+        description="Crash-safe, async checkpoints for PyTorch: look after checkpoint roots.",
+        epilog="Run 'safeckpt COMMAND --help' for a command's options and examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"safeckpt {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for group in _GROUPS:
+        group.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``safeckpt`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""What every ``safeckpt`` command shares: exit codes, the error table, JSON, console and progress.
+
+Output rules: data goes to stdout (a rich table on a terminal, plain text when
+piped, JSON with ``--json``); progress bars and errors go to stderr, and a bar
+is drawn only when stderr is a terminal, so a pipe or a log file never sees one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    InvalidSaveError,
+    LockTimeoutError,
+)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+SCHEMA_VERSION = 1
+"""Version of every ``--json`` document (see docs/cli.md); bumped only when a key changes meaning
+or goes away. New keys may appear without a bump."""
+
+# exception type -> (exit code, what to add to its message). First match wins.
+ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (ConfigError, EXIT_USAGE, ""),
+    (InvalidSaveError, EXIT_USAGE, ""),
+    (
+        LockTimeoutError,
+        EXIT_FAILED,
+        " Another process (a training job, or another safeckpt command) holds the root's lock; "
+        "try again once it is done.",
+    ),
+    (CheckpointError, EXIT_FAILED, ""),
+    (PermissionError, EXIT_FAILED, " Check the permissions of the checkpoint root."),
+    (OSError, EXIT_FAILED, ""),
+    (KeyboardInterrupt, EXIT_INTERRUPTED, ""),
+)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, like every other error of this command (argparse prints the usage too)."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}. See '{self.prog} --help'.\n")
+
+
+def add_command(
+    commands: Any, name: str, *, help: str, description: str, examples: str
+) -> argparse.ArgumentParser:
+    """A subcommand parser whose ``--help`` ends with ``examples`` (one command per line)."""
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines())
+    return commands.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def out() -> Console:
+    """The stdout console: rich on a terminal, plain text when piped."""
+    # soft_wrap: long lines (a hash, a path) stay whole when piped, where the width is 80
+    return Console(highlight=False, soft_wrap=True)
+
+
+def print_json(data: dict[str, Any]) -> None:
+    """``data`` on stdout as strict JSON, with ``schema_version`` first (NaN and inf become null)."""
+    document = _finite({"schema_version": SCHEMA_VERSION, **data})
+    print(json.dumps(document, indent=2, allow_nan=False, default=str))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def existing_root(root: str | os.PathLike[str]) -> Path:
+    """``root`` as an absolute path; raises unless it is an existing directory."""
+    path = Path(root).absolute()
+    if not path.exists():
+        raise CheckpointNotFoundError(
+            f"{root} does not exist. Pass the checkpoint root of a run (the directory given to "
+            "CheckpointManager, or the --dir of `safeckpt demo`).",
+            path=str(path),
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass a checkpoint root.", path=str(path))
+    return path
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A callback ``advance(n_bytes)`` that drives a progress bar on stderr, if it is a terminal.
+
+    When stderr is not a terminal the callback does nothing: piped output stays clean.
+    """
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run one command; turn the errors of :data:`ERRORS` into one line on stderr and an exit code."""
+    try:
+        return int(func(args))
+    except BrokenPipeError:
+        # the reader went away (`safeckpt ls ROOT | head`): not an error worth a line; keep
+        # Python from complaining again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except BaseException as e:
+        match = next(((code, hint) for kind, code, hint in ERRORS if isinstance(e, kind)), None)
+        if match is None:
+            raise  # not ours to explain: a bug, shown with its traceback
+        code, hint = match
+        if os.environ.get("SAFECKPT_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        print(f"safeckpt: error: {describe(e)}{hint}", file=sys.stderr)
+        return code
+
+
+def describe(error: BaseException) -> str:
+    """One line for ``error``."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted. Committed checkpoints are safe; run the command again to resume."
+    if isinstance(error, CheckpointError):
+        return " ".join(str(error).split("\n"))
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror}{where}."
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,74 @@
+"""``safeckpt gc``: remove what crashes and old versions left (dead owners' staging, trash, ...)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+
+from ..failures import human_size
+from ..gc import REMOVED, SKIPPED, collect_garbage
+from .common import EXIT_OK, add_command, existing_root, out, print_json
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root = existing_root(args.root)
+    report = collect_garbage(root, dry_run=args.dry_run, drain_timeout=args.drain_timeout)
+    if args.json:
+        print_json(report.to_json())
+        return EXIT_OK
+    console = out()
+    if not report.items and not report.restored_steps:
+        console.print(f"nothing to collect in {root} (owner: {report.owner})")
+        return EXIT_OK
+    table = Table(title=f"leftovers in {root} (owner: {report.owner})", title_justify="left")
+    table.add_column("kind", no_wrap=True)
+    table.add_column("path", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("action", overflow="fold")
+    for item in report.items:
+        action = item.action if item.reason is None else f"{item.action}: {item.reason}"
+        if item.action == SKIPPED:
+            action = f"[yellow]{action}[/]"
+        table.add_row(item.kind, str(item.path.relative_to(root)), human_size(item.size), action)
+    console.print(table)
+    for step in report.restored_steps:
+        console.print(f"put back step {step}: a save that replaced it was interrupted")
+    removed = [i for i in report.items if i.action == REMOVED]
+    skipped = [i for i in report.items if i.action == SKIPPED]
+    if args.dry_run:
+        found = sum(i.size for i in report.items if i.action != SKIPPED)
+        console.print(f"would free {human_size(found)} (dry run; nothing changed)")
+    else:
+        console.print(
+            f"freed {human_size(report.bytes_freed)} ({len(removed)} removed, {len(skipped)} skipped)"
+        )
+    return EXIT_OK
+
+
+def add_parser(commands: Any) -> None:
+    parser = add_command(
+        commands,
+        "gc",
+        help="remove leftovers: dead owners' staging, trash, .nfs/.fuse_hidden files, temp files",
+        description="Remove what crashes and old versions left in ROOT: .staging/ entries of an owner "
+        "that is gone (never a live job's saves in flight), .trash/, .nfs* and .fuse_hidden* files "
+        "no longer in use, and orphan temp files. Holds the sidecar lock; safe while a job trains. "
+        "Reports the bytes freed.",
+        examples="""
+safeckpt gc runs/exp1 --dry-run
+safeckpt gc runs/exp1 --json | jq .bytes_freed
+""",
+    )
+    parser.add_argument("root", metavar="ROOT")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="how long to keep retrying deletions the filesystem refuses (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(func=cmd_gc)

@@ -1,0 +1,77 @@
+"""``safeckpt register``: retry failed or unfinished registrations, or add them with a registrar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import ConfigError
+from .args import non_negative_int
+from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print_json
+
+_DONE = ("registered", "skipped")
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    from ..registration import register_pending, registrar_from_json
+
+    root = existing_root(args.root)
+    registrar = None
+    if args.registrar is not None:
+        try:
+            data = json.loads(args.registrar)
+        except ValueError as e:
+            raise ConfigError(
+                f"--registrar must be a registrar's JSON, like "
+                f'\'{{"kind": "jsonl", "index_path": "runs/index.jsonl"}}\' ({e}).'
+            ) from None
+        registrar = registrar_from_json(data)
+    try:
+        results = register_pending(root, registrar, step=args.step)
+    finally:
+        close = getattr(registrar, "close", None)
+        if close is not None:
+            close()
+    failed = [step for step, status in results if status not in _DONE]
+    if args.json:
+        print_json(
+            {
+                "root": str(root),
+                "results": [{"step": step, "status": status} for step, status in results],
+                "ok": not failed,
+            }
+        )
+    else:
+        console = out()
+        if not results:
+            console.print(f"nothing to register in {root}: no failed or unfinished registrations")
+        for step, status in results:
+            hint = ""
+            if status == "no registrar":
+                hint = " (its record names no registrar; pass --registrar)"
+            console.print(f"step {step}: {status}{hint}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def add_parser(commands: Any) -> None:
+    parser = add_command(
+        commands,
+        "register",
+        help="retry failed or unfinished registrations, or register checkpoints with a registrar",
+        description="Register the committed checkpoints of ROOT whose registration failed or was "
+        "not finished, with the registrar their record names; with --registrar also those never "
+        "registered; with --step just that one, whatever its record says. Exit 1 if any fails.",
+        examples="""
+safeckpt register runs/exp1
+safeckpt register runs/exp1 --step 2000 --json
+safeckpt register runs/exp1 --registrar '{"kind": "jsonl", "index_path": "runs/index.jsonl"}'
+""",
+    )
+    parser.add_argument("root", metavar="ROOT")
+    parser.add_argument("--step", type=non_negative_int, metavar="N", help="register step N")
+    parser.add_argument(
+        "--registrar", metavar="JSON", help="the registrar to use, as its to_json() (a 'kind' key and fields)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(func=cmd_register)
