@@ -1,32 +1,43 @@
-"""Shared pieces of the benchmarks: states, raw I/O limits, cache eviction, tables.
+"""Shared pieces of the benchmarks: states, timing, simple raw I/O, cache eviction.
 
 Every benchmark measures a ratio against a limit measured in the same run and
 the same repetition (raw memcpy, raw write + fsync, raw cold read), so a noisy,
 shared machine moves numerator and denominator together. Repetitions are
-interleaved (the order of the variants rotates from one repetition to the next),
-and a table reports the median and the max of the per-repetition ratios.
+interleaved (the order of the variants rotates from one repetition to the next).
 
-A benchmark script prints its tables as Markdown on stdout, which ``run_all.py``
-puts into the generated blocks of ``docs/performance.md``; ``--json PATH`` also
-writes them as data (:meth:`Report.load` reads it back).
+:func:`raw_write` and :func:`raw_read` are one strategy each (chunked writes,
+one-thread reads): a baseline, not a limit. ``bench_limits`` measures limits
+that are limits (the fastest of several strategies, on fresh paths);
+``bench_tables`` holds the results (re-exported here) and the verdicts across runs.
+
+A benchmark script prints its tables as Markdown on stdout; ``--json PATH`` also
+writes them as data (:meth:`Report.load` reads it back), which ``run_all.py``
+merges over its 3 interleaved runs into the blocks of ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
-import math
 import os
 import platform
-import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+# Results live in bench_tables; the scripts import them from here.
+from bench_tables import BEATEN as BEATEN
+from bench_tables import Report as Report
+from bench_tables import Row as Row
+from bench_tables import Table as Table
+
+if TYPE_CHECKING:
+    from safeckpt import CheckpointManager
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -53,6 +64,38 @@ def settle() -> None:
     """Collect garbage and let dirty pages of earlier variants reach the disk."""
     gc.collect()
     os.sync()
+
+
+# --- saves that prune nothing inside a timing ---------------------------------------------
+
+
+@contextlib.contextmanager
+def held(mgr: CheckpointManager | None) -> Iterator[None]:
+    """Time a save inside this: it prunes nothing, and the previous checkpoint goes after it.
+
+    The managers keep one checkpoint (``keep_last=1``); the newest is pinned before
+    the timing, so the timed save's commit removes nothing, then unpinned after it,
+    which prunes it, and the deleter empties the trash, all outside the timing.
+    Pruning itself is what the cleanup table measures.
+    """
+    step = mgr.latest_step if mgr is not None else None
+    if mgr is None or step is None:
+        yield
+        return
+    mgr.pin(step)
+    try:
+        yield
+    finally:
+        mgr.unpin(step)  # prunes it now
+        quiesce(mgr)
+
+
+def quiesce(mgr: CheckpointManager, timeout: float = 30.0) -> None:
+    """Wait until the manager's background deleter has emptied the trash (so it slows no other row)."""
+    trash = mgr.root / ".trash"
+    deadline = time.monotonic() + timeout
+    while trash.is_dir() and any(trash.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # --- a transformer-shaped state -------------------------------------------------------
@@ -174,7 +217,10 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 def raw_write(tensors: Sequence[torch.Tensor], path: Path) -> None:
-    """Write the tensors' bytes back to back into one file, then fsync it."""
+    """Write the tensors' bytes back to back into one file, then fsync it.
+
+    ``O_TRUNC``: give it a fresh path inside a timing (truncating a large file costs a lot on ext4).
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for tensor in tensors:
@@ -216,11 +262,15 @@ def fsync_path(path: Path) -> None:
 def evict(path: Path) -> None:
     """Drop the page cache of a file, or of every file under a directory.
 
-    fsyncs first: ``POSIX_FADV_DONTNEED`` only drops clean pages.
+    fsyncs first: ``POSIX_FADV_DONTNEED`` only drops clean pages. A file that vanishes
+    meanwhile (a live manager's owner heartbeat replaces ``.owner``) is skipped.
     """
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     for p in files:
-        fd = os.open(p, os.O_RDONLY)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -232,144 +282,7 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-# --- results ---------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """One variant of a measurement: a value per repetition (a ratio, or milliseconds)."""
-
-    name: str
-    values: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    target: float | None = None
-    """Upper bound on the median value (None: a peer, shown for comparison)."""
-    note: str = ""
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values) if self.values else math.nan
-
-    @property
-    def max(self) -> float:
-        return max(self.values) if self.values else math.nan
-
-    @property
-    def median_seconds(self) -> float:
-        return statistics.median(self.seconds) if self.seconds else math.nan
-
-    @property
-    def verdict(self) -> str:
-        if self.target is None or not self.values:
-            return ""
-        if self.median <= self.target:
-            return "met"
-        return f"**missed** by {self.median / self.target - 1:.1%}"
-
-
-@dataclass
-class Table:
-    """One measurement: what is divided by what (or measured in ms), and a row per variant."""
-
-    key: str
-    title: str
-    measure: str
-    """What a value is, e.g. ``save() return time / memcpy``."""
-    limit: str = ""
-    limit_seconds: list[float] = field(default_factory=list)
-    rows: list[Row] = field(default_factory=list)
-    unit: str = "x"
-    """``"x"``: values are ratios against the limit; ``"ms"``: values are milliseconds."""
-    notes: list[str] = field(default_factory=list)
-
-    def row(self, name: str, *, target: float | None = None, note: str = "") -> Row:
-        """The row called ``name``, created (with ``target``) on first use."""
-        for row in self.rows:
-            if row.name == name:
-                return row
-        row = Row(name, target=target, note=note)
-        self.rows.append(row)
-        return row
-
-    def add_ratio(self, name: str, seconds: float, limit: float) -> None:
-        row = self.row(name)
-        row.seconds.append(seconds)
-        row.values.append(seconds / limit)
-
-    def add_value(self, name: str, value: float, seconds: float = math.nan) -> None:
-        row = self.row(name)
-        row.values.append(value)
-        row.seconds.append(seconds)
-
-    def to_markdown(self) -> str:
-        lines = [f"#### {self.title}", "", f"Value: {self.measure}."]
-        if self.limit:
-            limit_s = statistics.median(self.limit_seconds) if self.limit_seconds else math.nan
-            lines[-1] += f" Limit: {self.limit}, median {_fmt_s(limit_s)}."
-        lines += [
-            "",
-            "| variant | median | max | median time | target | verdict |",
-            "|---|---:|---:|---:|---:|---|",
-        ]
-        for r in self.rows:
-            target = "" if r.target is None else f"<= {_fmt_v(r.target, self.unit)}"
-            name = r.name + (f" ({r.note})" if r.note else "")
-            lines.append(
-                f"| {name} | {_fmt_v(r.median, self.unit)} | {_fmt_v(r.max, self.unit)} | "
-                f"{_fmt_s(r.median_seconds)} | {target} | {r.verdict} |"
-            )
-        if self.notes:
-            lines += [""] + [f"- {n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Table:
-        data = dict(data)
-        rows = [Row(**r) for r in data.pop("rows")]
-        return cls(**data, rows=rows)
-
-
-def _fmt_v(value: float, unit: str) -> str:
-    if math.isnan(value):
-        return "-"
-    return f"{value:.2f}x" if unit == "x" else f"{value:.2f} {unit}"
-
-
-def _fmt_s(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "-"
-    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-@dataclass
-class Report:
-    """What one benchmark script produced: its tables, the command, the machine."""
-
-    section: str
-    command: str
-    machine: dict[str, str]
-    parameters: dict[str, Any]
-    tables: list[Table]
-    wall_seconds: float = 0.0
-
-    def to_markdown(self) -> str:
-        params = ", ".join(f"{k}={v}" for k, v in self.parameters.items())
-        lines = [
-            f"Produced by `{self.command}` in {self.wall_seconds:.0f} s; parameters: {params}.",
-            "",
-        ]
-        for table in self.tables:
-            lines += [table.to_markdown(), ""]
-        return "\n".join(lines).rstrip() + "\n"
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> Report:
-        data = json.loads(path.read_text())
-        tables = [Table.from_json(t) for t in data.pop("tables")]
-        return cls(**data, tables=tables)
+# --- machine --------------------------------------------------------------------------
 
 
 def machine() -> dict[str, str]:

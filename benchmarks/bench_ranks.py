@@ -9,13 +9,17 @@ holds half of every tensor and writes its own shards. Every value is a ratio
 against a limit measured in the same repetition by the same two processes:
 
 * aggregate save: the time until both ranks' save is durable (the slower
-  rank) / the time for both ranks to write their shards' bytes to a file each,
-  at the same moment, with fsync (two parallel raw write streams);
+  rank) / the time for both ranks to write their shards' bytes to a new file
+  each, at the same moment, with fsync (two parallel raw write streams; the
+  fastest of ``bench_limits.WriteLimit``'s strategies, each run on both ranks);
 * blocking time per rank: how long each rank's async ``save()`` holds training
   / that rank's memcpy of its shards into preallocated host buffers.
 
 Repetitions are interleaved (the order of the variants rotates); a barrier
-starts every variant on both ranks at once.
+starts every variant on both ranks at once. Every write goes to a new path and
+nothing is deleted inside a timing: a save's previous checkpoint is pinned
+during it and pruned after it (``bench_common.held``), and what a repetition
+wrote is deleted after it.
 """
 
 from __future__ import annotations
@@ -42,18 +46,20 @@ from torch.distributed.checkpoint import FileSystemWriter
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (
+    BEATEN,
     GIB,
     Report,
     Table,
     build_state,
     filesystem_of,
+    held,
     host_buffers,
     machine,
     memcpy,
-    raw_write,
     rotated,
     settle,
 )
+from bench_limits import Scratch, WriteLimit
 from safeckpt import CheckpointManager, Retention
 
 WORLD = 2
@@ -118,7 +124,9 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
         "aggregate",
         "Aggregate save throughput, 2 ranks",
         "time until both ranks' save is durable / two parallel raw write streams",
-        limit="each rank writes its shards' bytes to its own file with fsync, both at once",
+        limit="each rank writes its shards' bytes to a new file of its own with fsync, both at once "
+        "(the fastest strategy)",
+        bound=True,
     )
     blocking = Table(
         "blocking-per-rank",
@@ -132,19 +140,28 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
     for r in range(WORLD):
         blocking.row(f"safeckpt, rank {r}", target=1.30)
 
+    # keep_last=1, but held(): the previous checkpoint is pruned after each timing, never inside it
     sync_mgr = CheckpointManager(work / "sync", async_save=False, retention=Retention(keep_last=1))
     async_mgr = CheckpointManager(work / "async", retention=Retention(keep_last=1))
     step = 0
+    (work / f"rank{rank}").mkdir(exist_ok=True)
+    scratch = Scratch(work / f"rank{rank}")
+    limit = WriteLimit([t.contiguous() for t in local], scratch)
 
-    def raw() -> None:
-        raw_write(local, work / f"raw.rank{rank}")
+    def raw(rep: int) -> float:
+        times = {}
+        for name in rotated(list(limit.strategies), rep):
+            path = limit.prepare(name)
+            settle()
+            times[name] = timed_together(lambda name=name, path=path: limit.write(name, path))
+        return aggregate.add_limit(times) if rep else min(times.values())
 
-    def dcp_save() -> None:
-        target = work / "dcp"
+    def dcp_save(rep: int) -> None:
+        target = work / f"dcp.{rep}"  # a new directory each time; deleted after the repetition
         dcp.save(state, storage_writer=FileSystemWriter(target, sync_files=True))
 
     for rep in range(args.reps + 1):  # rep 0 warms up (staging buffers, page cache, groups)
-        raw_s = timed_together(raw)
+        raw_s = raw(rep)
         copy_s = each_rank(lambda: memcpy(local, buffers))
         results: dict[str, Any] = {}
         for name in rotated(["sync", "async", "dcp"], rep):
@@ -152,7 +169,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
             dist.barrier()
             if name == "sync":
                 step += 1
-                results[name] = timed_together(lambda s=step: sync_mgr.save(s, state))
+                with held(sync_mgr):
+                    results[name] = timed_together(lambda s=step: sync_mgr.save(s, state))
             elif name == "async":
                 step += 1
                 returned: list[float] = []
@@ -163,16 +181,18 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
                     returned.append(time.perf_counter() - begin)
                     async_mgr.wait()
 
-                results[name] = timed_together(save_async)
+                with held(async_mgr):
+                    results[name] = timed_together(save_async)
                 results["blocking"] = per_rank(returned[0])
             else:
-                results[name] = timed_together(dcp_save)
-                if rank == 0:
-                    shutil.rmtree(work / "dcp", ignore_errors=True)
-                dist.barrier()
+                results[name] = timed_together(lambda rep=rep: dcp_save(rep))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work / f"dcp.{rep}", ignore_errors=True)
+        scratch.purge()  # this repetition's raw files, outside every timing
+        dist.barrier()
         if rep == 0:
             continue
-        aggregate.limit_seconds.append(raw_s)
         aggregate.add_ratio("safeckpt sync save", results["sync"], raw_s)
         aggregate.add_ratio("safeckpt async save, until wait() returns", results["async"], raw_s)
         aggregate.add_ratio("dcp.save", results["dcp"], raw_s)
@@ -190,6 +210,7 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
         "The raw streams write one file per rank; the saves also write DCP metadata, a train-state "
         "file per rank and the record, fsync the directories and agree over gloo before committing."
     )
+    aggregate.notes += limit.notes
     blocking.notes.append("Each rank copies its own shards; the two ranks share the machine's two cores.")
     if rank == 0:
         report = Report(
@@ -241,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report.to_markdown())
     if args.json is not None:
         report.save(args.json)
+    if beaten := report.beaten():
+        print(f"[bench_ranks] FAILED: {'; '.join(beaten)}: the limit is not a limit", file=sys.stderr)
+        return BEATEN
     return 0
 
 

@@ -1,12 +1,18 @@
 """Single-process save and restore: safeckpt against raw limits and its peers (not a test).
 
-    .venv/bin/python benchmarks/bench_save.py                    # 1 GiB model + AdamW state, 7 reps
+    .venv/bin/python benchmarks/bench_save.py                    # 1 GiB model + AdamW state, 5 reps
     .venv/bin/python benchmarks/bench_save.py --size-gib 0.25    # a quick run
     .venv/bin/python benchmarks/bench_save.py --only restore --reps 3 --json out.json
 
 Every value is a ratio against a limit measured in the same repetition (or, for
 the cleanup table, milliseconds against a baseline root measured in the same
-repetition). Repetitions are interleaved: the order of the variants rotates.
+repetition). A memcpy, write or read limit is the fastest of several strategies
+(``bench_limits``); a peer that still beats one makes the script exit with
+status 3 after printing. Repetitions are interleaved: the order of the variants
+rotates. No timing truncates or deletes an earlier file: every write goes to a
+new path, a repetition's files are deleted after it, and a manager's previous
+checkpoint is pruned after the timed save (``bench_common.held``). ``run_all.py``
+runs this script 3 times and merges the runs.
 The state is a transformer-shaped fp32 model (embedding, attention and MLP
 weights, layer norms) plus its AdamW moments; ``--size-gib`` is the size of
 the whole state.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -48,6 +55,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (
+    BEATEN,
     GIB,
     BenchState,
     Report,
@@ -56,15 +64,14 @@ from bench_common import (
     evict,
     filesystem_of,
     fsync_path,
+    held,
     host_buffers,
     machine,
-    memcpy,
-    raw_read,
     raw_write,
     rotated,
     settle,
-    timed,
 )
+from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit
 from safeckpt import CheckpointManager, Retention
 from safeckpt.atomic import swap_pointer
 from safeckpt.fileops import DEFAULT_FILE_OPS
@@ -72,6 +79,7 @@ from safeckpt.fileops import DEFAULT_FILE_OPS
 SECTIONS = ("async", "sync", "restore", "inflation", "cleanup")
 SAFECKPT = "safeckpt"
 TORCH_IO = "safeckpt, SAFECKPT_DCP_IO=torch"
+UNVERIFIED = "safeckpt, SAFECKPT_VERIFY=0"
 CLEANUP_COUNTS = (10, 100, 1000)
 
 
@@ -88,7 +96,11 @@ class Bench:
     names: list[str]
     tensors: list[torch.Tensor]
     buffers: list[torch.Tensor]
-    _counter: int = 0
+
+    @functools.cached_property
+    def scratch(self) -> Scratch:
+        """Fresh paths; what a repetition wrote is deleted by ``purge()`` after it, outside the timings."""
+        return Scratch(self.work)
 
     @property
     def flat(self) -> dict[str, torch.Tensor]:
@@ -96,12 +108,19 @@ class Bench:
 
     def fresh(self, name: str) -> Path:
         """A new, unused path under the work directory."""
-        self._counter += 1
-        return self.work / f"{name}.{self._counter}"
+        return self.scratch.fresh(name)
 
-    @property
-    def raw_file(self) -> Path:
-        return self.work / "raw.bin"
+    @functools.cached_property
+    def memcpy_limit(self) -> MemcpyLimit:
+        return MemcpyLimit(self.tensors, self.buffers)
+
+    @functools.cached_property
+    def write_limit(self) -> WriteLimit:
+        return WriteLimit(self.tensors, self.scratch)
+
+    @functools.cached_property
+    def read_limit(self) -> ReadLimit:
+        return ReadLimit(self.buffers, self.scratch)
 
     def safeckpt_variants(self) -> list[tuple[str, bool]]:
         """``(row name, torch I/O)``: the manager as it is, and with DCP's own writer and reader."""
@@ -123,14 +142,6 @@ def wiring(torch_io: bool) -> Iterator[None]:
             del os.environ["SAFECKPT_DCP_IO"]
         else:
             os.environ["SAFECKPT_DCP_IO"] = previous
-
-
-def quiesce(mgr: CheckpointManager, timeout: float = 30.0) -> None:
-    """Wait until the manager's background deleter has emptied the trash (so it slows no other row)."""
-    trash = mgr.root / ".trash"
-    deadline = time.monotonic() + timeout
-    while trash.is_dir() and any(trash.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def remove(path: Path) -> None:
@@ -159,13 +170,12 @@ class SafeckptAsync:
 
     def run(self) -> tuple[float, float]:
         self.step += 1
-        with wiring(self.torch_io):
+        with held(self.mgr), wiring(self.torch_io):
             start = time.perf_counter()
             self.mgr.save(self.step, self.b.state.state)
             returned = time.perf_counter()
             self.mgr.wait()
-        durable = time.perf_counter() - start
-        quiesce(self.mgr)
+            durable = time.perf_counter() - start
         return returned - start, durable
 
     def close(self) -> None:
@@ -183,7 +193,6 @@ class DcpAsync:
         self.b, self.directory = b, directory
         self.writer = FileSystemWriter(b.fresh(directory))
         self.stager = DefaultStager(StagingOptions(False, False, False, False))
-        self.previous: Path | None = None
         self.current: Path | None = None
 
     def start(self) -> Any:
@@ -199,11 +208,9 @@ class DcpAsync:
         return getattr(response, "upload_completion", response)
 
     def finish(self, future: Any) -> None:
-        """Wait for the upload, then remove the previous checkpoint (outside any timing)."""
+        """Wait for the upload; the checkpoint is deleted at the next purge (outside any timing)."""
         future.result()
-        if self.previous is not None:
-            remove(self.previous)
-        self.previous = self.current
+        self.b.scratch.discard(self.current)
 
     def run(self) -> tuple[float, float]:
         start = time.perf_counter()
@@ -216,8 +223,6 @@ class DcpAsync:
 
     def close(self) -> None:
         self.stager.close()
-        if self.previous is not None:
-            remove(self.previous)
 
 
 class LightningAsync:
@@ -233,18 +238,19 @@ class LightningAsync:
 
         self.b = b
         self.io = AsyncCheckpointIO(FsyncTorchCheckpointIO())
-        self.path = b.fresh("lightning.ckpt")
 
     def run(self) -> tuple[float, float]:
+        path = self.b.fresh("lightning.ckpt")  # torch.save over an existing file would truncate it
         start = time.perf_counter()
-        self.io.save_checkpoint(self.b.flat, self.path)
+        self.io.save_checkpoint(self.b.flat, path)
         returned = time.perf_counter()
         self.io.teardown()  # waits for the write (the only public way to)
-        return returned - start, time.perf_counter() - start
+        done = time.perf_counter() - start
+        self.b.scratch.discard(path)
+        return returned - start, done
 
     def close(self) -> None:
         self.io.teardown()
-        remove(self.path)
 
 
 def lightning_available() -> bool:
@@ -260,13 +266,15 @@ def bench_async(b: Bench) -> list[Table]:
         "blocking",
         "Async save: blocking time",
         "time until the save call returns / memcpy",
-        limit="torch `copy_` of every tensor into preallocated host buffers",
+        limit="the fastest host copy of every tensor (`copy_` into preallocated buffers, or `clone`)",
+        bound=True,
     )
     durable = Table(
         "durable",
         "Async save: time until durable",
         "time from the save call until the data is durable (`wait()` returns) / (memcpy + raw write)",
-        limit="memcpy + sequential write of the same bytes into one file with fsync",
+        limit="memcpy + the fastest write of the same bytes into one new file with fsync",
+        bound=True,
     )
     runners: dict[str, AsyncRunner] = {}
     for name, torch_io in b.safeckpt_variants():
@@ -280,22 +288,24 @@ def bench_async(b: Bench) -> list[Table]:
         blocking.notes.append("Lightning is not installed (`pip install -c constraints/ci.txt lightning`).")
     for runner in runners.values():
         runner.run()  # warm-up: allocates the reused staging buffers
+    b.scratch.purge()
     for rep in range(b.args.reps):
         times: dict[str, tuple[float, float]] = {}
+        writes: dict[str, float] = {}
         for name in rotated(["limit", *runners], rep):
             settle()
             if name == "limit":
-                copy = timed(lambda: memcpy(b.tensors, b.buffers))
-                settle()
-                times[name] = (copy, copy + timed(lambda: raw_write(b.buffers, b.raw_file)))
+                copy = blocking.add_limit(b.memcpy_limit.measure(rep).times)
+                writes = {k: copy + v for k, v in b.write_limit.measure(rep).times.items()}
+                times[name] = (copy, min(writes.values()))
             else:
                 times[name] = runners[name].run()
         copy, write = times.pop("limit")
-        blocking.limit_seconds.append(copy)
-        durable.limit_seconds.append(write)
+        durable.add_limit(writes)
         for name, (returned, done) in times.items():
             blocking.add_ratio(name, returned, copy)
             durable.add_ratio(name, done, write)
+        b.scratch.purge()  # delete this repetition's files, outside every timing
     for runner in runners.values():
         runner.close()
     blocking.notes.append(
@@ -305,6 +315,7 @@ def bench_async(b: Bench) -> list[Table]:
     durable.notes.append(
         "Lightning's TorchCheckpointIO does not fsync; the benchmark adds one so all rows mean durable."
     )
+    durable.notes += b.write_limit.notes
     return [blocking, durable]
 
 
@@ -316,7 +327,8 @@ def bench_sync(b: Bench) -> list[Table]:
         "sync",
         "Blocking (sync) save",
         "time to a durable checkpoint / raw write",
-        limit="sequential write of the same bytes into one file with fsync",
+        limit="the fastest write of the same bytes into one new file with fsync",
+        bound=True,
     )
     managers = {}
     for name, torch_io in b.safeckpt_variants():
@@ -331,7 +343,7 @@ def bench_sync(b: Bench) -> list[Table]:
         def run() -> Path | None:
             with wiring(torch_io):
                 mgr.save(next(steps), b.state.state)
-            return None  # the previous checkpoint goes to the trash; quiesce() waits for its deletion
+            return None  # the previous checkpoint is pruned after the timing (held)
 
         return run
 
@@ -355,33 +367,29 @@ def bench_sync(b: Bench) -> list[Table]:
     variants: dict[str, Callable[[], Path | None]] = {name: safeckpt_save(name) for name in managers}
     variants |= {"torch.save": torch_save, "dcp.save": dcp_save, "safetensors save_file": safetensors_save}
     for run in variants.values():  # warm-up
-        _cleanup(run())
+        b.scratch.discard(run())
+    b.scratch.purge()
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
         for name in rotated(["limit", *variants], rep):
             settle()
             if name == "limit":
-                times[name] = timed(lambda: raw_write(b.tensors, b.raw_file))
+                times[name] = table.add_limit(b.write_limit.measure(rep).times)
                 continue
-            start = time.perf_counter()
-            written = variants[name]()
-            times[name] = time.perf_counter() - start
-            _cleanup(written)
-            if name in managers:
-                quiesce(managers[name][0])
+            with held(managers[name][0] if name in managers else None):
+                start = time.perf_counter()
+                written = variants[name]()
+                times[name] = time.perf_counter() - start
+            b.scratch.discard(written)
         limit = times.pop("limit")
-        table.limit_seconds.append(limit)
         for name, seconds in times.items():
             table.add_ratio(name, seconds, limit)
+        b.scratch.purge()  # delete this repetition's files, outside every timing
     for mgr, _ in managers.values():
         mgr.close()
     table.notes.append("Peers are followed by an fsync of what they wrote; dcp.save fsyncs on its own.")
+    table.notes += b.write_limit.notes
     return [table]
-
-
-def _cleanup(path: Path | None) -> None:
-    if path is not None:
-        remove(path)
 
 
 # --- cold restore --------------------------------------------------------------------------------
@@ -392,7 +400,8 @@ def bench_restore(b: Bench) -> list[Table]:
         "restore",
         "Cold restore",
         "time to load a checkpoint whose pages were evicted / raw read",
-        limit="reading one file of the same bytes into preallocated buffers, page cache evicted",
+        limit="the fastest read of one file of the same bytes into preallocated buffers, page cache evicted",
+        bound=True,
     )
     root = b.fresh("restore-root")
     mgr = CheckpointManager(root, async_save=False)
@@ -405,7 +414,6 @@ def bench_restore(b: Bench) -> list[Table]:
     torch.save(b.flat, files["torch"])
     dcp.save(b.flat, checkpoint_id=files["dcp"], no_dist=True)
     save_file(b.flat, files["safetensors"])
-    raw_write(b.tensors, b.raw_file)
     targets = dict(zip(b.names, b.buffers, strict=True))
 
     def safeckpt_restore(torch_io: bool) -> Callable[[], Any]:
@@ -415,31 +423,40 @@ def bench_restore(b: Bench) -> list[Table]:
 
         return run
 
+    def unverified_restore() -> Any:
+        os.environ["SAFECKPT_VERIFY"] = "0"
+        try:
+            return mgr.restore(b.state.state)
+        finally:
+            del os.environ["SAFECKPT_VERIFY"]
+
     variants: dict[str, tuple[Path, Callable[[], Any]]] = {}
     for name, torch_io in b.safeckpt_variants():
         table.row(name, target=1.25)
         variants[name] = (root, safeckpt_restore(torch_io))
+    table.row(UNVERIFIED, note="checksums not checked: what verification costs")
+    variants[UNVERIFIED] = (root, unverified_restore)
     variants |= {
         "torch.load": (files["torch"], lambda: torch.load(files["torch"], weights_only=True)),
         "dcp.load": (files["dcp"], lambda: dcp.load(targets, checkpoint_id=files["dcp"], no_dist=True)),
         "safetensors load_file": (files["safetensors"], lambda: load_file(files["safetensors"])),
     }
 
-    def read_raw() -> None:
-        raw_read(b.raw_file, b.buffers)
-
+    b.read_limit  # noqa: B018  (writes its file now, before any timing)
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
         for name in rotated(["limit", *variants], rep):
             settle()
-            path, run = variants[name] if name != "limit" else (b.raw_file, read_raw)
+            if name == "limit":
+                times[name] = table.add_limit(b.read_limit.measure(rep).times)  # evicts before each
+                continue
+            path, run = variants[name]
             evict(path)
             start = time.perf_counter()
             loaded = run()
             times[name] = time.perf_counter() - start
             del loaded
         limit = times.pop("limit")
-        table.limit_seconds.append(limit)
         for name, seconds in times.items():
             table.add_ratio(name, seconds, limit)
     mgr.close()
@@ -447,7 +464,9 @@ def bench_restore(b: Bench) -> list[Table]:
         remove(path)
     table.notes.append(
         "safeckpt and dcp.load load in place into existing tensors; torch.load and load_file allocate new "
-        "ones. Every file of a checkpoint is fsynced and evicted (`POSIX_FADV_DONTNEED`) before each read."
+        "ones. Every file of a checkpoint is fsynced and evicted (`POSIX_FADV_DONTNEED`) before each read. "
+        "safeckpt verifies every byte it loads against its CRC32 (none of the peers checks anything); "
+        "the SAFECKPT_VERIFY=0 row is the same restore without that check."
     )
     return [table]
 
@@ -532,11 +551,10 @@ def bench_inflation(b: Bench) -> list[Table]:
         mgr, torch_io = managers[name]
 
         def run() -> Window:
-            with wiring(torch_io):
+            with held(mgr), wiring(torch_io):
                 mgr.save(next(steps), b.state.state)  # staging is not part of the window
                 waiter = _in_thread(mgr.wait)
                 window = compute.run(lambda _: waiter.is_alive())
-            quiesce(mgr)
             return window
 
         return run
@@ -548,13 +566,18 @@ def bench_inflation(b: Bench) -> list[Table]:
         return window
 
     def raw_background_write() -> Window:
-        writer = _in_thread(lambda: raw_write(b.buffers, b.raw_file))
-        return compute.run(lambda _: writer.is_alive())
+        path = b.fresh("floor.bin")  # a new file: raw_write's O_TRUNC truncates nothing
+        writer = _in_thread(lambda: raw_write(b.buffers, path))
+        window = compute.run(lambda _: writer.is_alive())
+        b.scratch.discard(path)
+        return window
 
     variants: dict[str, Callable[[], Window]] = {name: safeckpt_save(name) for name in managers}
     variants |= {"dcp.async_save": dcp_save, FLOOR: raw_background_write}
+    table.row(FLOOR, role="reference")  # a floor to compare with, not a peer
     for run in variants.values():  # warm-up: staging buffers
         run()
+    b.scratch.purge()
     for rep in range(b.args.reps):
         windows: dict[str, Window] = {}
         for name in rotated(["limit", *variants], rep):
@@ -571,6 +594,7 @@ def bench_inflation(b: Bench) -> list[Table]:
             table.add_value(name, base / window.rate, 1 / window.rate)
             if name != FLOOR:
                 cpu.add_ratio(name, window.background_cpu, floor_cpu)
+        b.scratch.purge()  # delete this repetition's files, outside every timing
     for mgr, _ in managers.values():
         mgr.close()
     dcp_async.close()
@@ -624,7 +648,8 @@ def bench_cleanup(b: Bench) -> list[Table]:
         start = time.perf_counter()
         managers[count] = CheckpointManager(root, retention=Retention(keep_last=count))
         opened[count] = time.perf_counter() - start
-        table.row(f"{count} checkpoints", target=5.0 if count == max(CLEANUP_COUNTS) else None)
+        target = 5.0 if count == max(CLEANUP_COUNTS) else None
+        table.row(f"{count} checkpoints", target=target, role="ours")  # all safeckpt; no peer here
     steps = {count: count for count in counts}
 
     def save_time(count: int) -> float:
@@ -676,7 +701,9 @@ BENCHES: dict[str, Callable[[Bench], list[Table]]] = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="size of the whole state (model + AdamW)")
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per measurement")
+    p.add_argument(
+        "--reps", type=int, default=5, help="interleaved repetitions per run (run_all makes 3 runs)"
+    )
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: the temp directory)")
     p.add_argument("--json", type=Path, default=None, help="also write the report here (run_all.py reads it)")
@@ -718,6 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report.to_markdown())
     if args.json is not None:
         report.save(args.json)
+    if beaten := report.beaten():
+        print(f"[bench_save] FAILED: {'; '.join(beaten)}: the limit is not a limit", file=sys.stderr)
+        return BEATEN
     return 0
 
 
