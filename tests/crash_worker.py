@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -21,9 +22,10 @@ from safeckpt.fileops import FileOps
 
 
 class KillAtOps(FileOps):
-    def __init__(self, kill_at: int | None, *, no_exchange: bool = False) -> None:
+    def __init__(self, kill_at: int | None, *, no_exchange: bool = False, log_fd: int | None = None) -> None:
         self.kill_at = kill_at
         self.no_exchange = no_exchange
+        self.log_fd = log_fd
         self.count = 0
         self._lock = threading.Lock()
 
@@ -45,12 +47,21 @@ class KillAtOps(FileOps):
     def replace(self, src: Path, dst: Path) -> None:
         self._tick()
         super().replace(src, dst)
+        self._log_commit(src, dst)
+
+    def _log_commit(self, src: Path, dst: Path) -> None:
+        """The rename of a staging directory into step_<N> is the commit: from it on, resume must
+        take step N (or a later one), whether or not ``latest`` moved."""
+        match = re.fullmatch(r"step_(\d+)", dst.name)
+        if match and src.parent.name == ".staging" and self.log_fd is not None:
+            os.write(self.log_fd, f"renamed {match.group(1)}\n".encode())
 
     def exchange(self, a: Path, b: Path) -> None:
         self._tick()
         if self.no_exchange:  # like NFS: replacing a step takes two renames
             raise OSError(errno.EINVAL, "no RENAME_EXCHANGE")
         super().exchange(a, b)
+        self._log_commit(a, b)
 
     def symlink(self, target: str, link: Path) -> None:
         self._tick()
@@ -78,17 +89,17 @@ def train(
 ) -> int:
     """Save steps 1..steps (each tensor filled with the step; even steps saved twice, the
     second save replacing the first), keep_last=2; returns the number of operations."""
-    ops = KillAtOps(kill_at, no_exchange=no_exchange)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    ops = KillAtOps(kill_at, no_exchange=no_exchange, log_fd=fd)
     if kill_after is not None:
         timer = threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL))
         timer.daemon = True
         timer.start()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     state = make_state(numel)
     with CheckpointManager(
         root, async_save=async_save, retention=Retention(keep_last=2), file_ops=ops, drain_timeout=5
     ) as mgr:
-        start = mgr.restore(state)
+        start = mgr.restore(state).step or 0
         for step in range(start + 1, steps + 1):
             for tensor in state.values():
                 tensor.fill_(float(step))

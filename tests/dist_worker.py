@@ -101,7 +101,7 @@ def save_sharded(rank: int, ws: int, root: Path, results: Path, async_save: bool
 def restore_sharded(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
     state = build(ws, seed=7)
     with CheckpointManager(root, timeout=60) as mgr:
-        step = mgr.restore(state)
+        step = mgr.restore(state).step
     weights = full_weights(state)
     mismatched = None
     if (results / "expected.safetensors").exists():
@@ -136,7 +136,7 @@ def one_rank_fails(rank: int, ws: int, root: Path, results: Path, async_save: bo
             out["error"] = _describe(e)
         out["latest"] = mgr.latest_step
         fresh = build(ws, seed=5)
-        out["restored"] = mgr.restore(fresh)
+        out["restored"] = mgr.restore(fresh).step
         mgr.save(3, state)  # later saves work again
         mgr.wait()
     out["dirs"] = sorted(p.name for p in root.glob("step_*"))
@@ -176,7 +176,7 @@ def leader_rejects_a_save(rank: int, ws: int, root: Path, results: Path) -> dict
         mgr.wait()
     fresh = build(ws, seed=9)
     with CheckpointManager(root, timeout=60) as mgr:
-        out["restored"] = mgr.restore(fresh)
+        out["restored"] = mgr.restore(fresh).step
     out["same"] = all(
         torch.equal(a, b)
         for a, b in zip(full_weights(state).values(), full_weights(fresh).values(), strict=True)
@@ -189,7 +189,7 @@ def stale_view_restore(rank: int, ws: int, root: Path, results: Path) -> dict[st
     state = build(ws, seed=3)
     view = root if rank == 0 else results / "stale-copy"
     with CheckpointManager(view, timeout=60) as mgr:
-        return {"step": mgr.restore(state)}
+        return {"step": mgr.restore(state).step}
 
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {

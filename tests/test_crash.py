@@ -1,8 +1,9 @@
 """Crash safety for real: SIGKILL a training process inside save() and pruning, then resume.
 
 Every kill point must leave a root from which restore() loads a committed,
-complete checkpoint no older than the last one the process knew was
-committed, and the next start must collect what the kill left behind.
+complete checkpoint no older than the last one committed before the kill (the
+rename into ``step_<N>`` is the commit point, whether or not ``latest`` moved
+after it), and the next start must collect what the kill left behind.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def run_worker(root: Path, log: Path, **kwargs: Any) -> int | None:
 
 
 def committed_before_kill(log: Path) -> int:
+    """The newest step the killed process had committed: acknowledged by save()/wait(), or renamed
+    into place (the commit point), whichever is later."""
     if not log.exists():
         return 0
     return max((int(line.split()[1]) for line in log.read_text().splitlines()), default=0)
@@ -42,7 +45,7 @@ def check_recovery(root: Path, log: Path, numel: int) -> int:
     known = committed_before_kill(log)
     state = crash_worker.make_state(numel)
     with CheckpointManager(root) as mgr:
-        restored = mgr.restore(state)
+        restored = mgr.restore(state).step or 0
     assert restored >= known, f"lost committed step {known}: restored {restored}"
     assert restored <= STEPS
     if restored:

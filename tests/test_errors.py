@@ -15,11 +15,13 @@ from safeckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidSaveError,
     LockTimeoutError,
     ManagerClosedError,
     RankAgreementError,
+    RootInUseError,
     SaveFailedError,
     UnsafeCheckpointError,
     UnsupportedStateError,
@@ -31,11 +33,13 @@ CLASSES: list[tuple[type[CheckpointError], type[BaseException]]] = [
     (CheckpointNotFoundError, FileNotFoundError),
     (IncompleteCheckpointError, Exception),
     (UnsafeCheckpointError, Exception),
+    (CorruptCheckpointError, Exception),
     (InvalidSaveError, ValueError),
     (UnsupportedStateError, TypeError),
     (SaveFailedError, Exception),
     (RankAgreementError, Exception),
     (LockTimeoutError, TimeoutError),
+    (RootInUseError, Exception),
     (ManagerClosedError, RuntimeError),
     (ConfigError, ValueError),
 ]
@@ -58,6 +62,10 @@ def make(cls: type[CheckpointError]) -> CheckpointError:
         kwargs.update(cause=OSError(28, "No space left on device"), failures={1: "OSError: no space"})
     if cls is RankAgreementError:
         kwargs.update(failures={1: "RuntimeError: boom", 3: "presumed dead"})
+    if cls is CorruptCheckpointError:
+        kwargs.update(offset=4096)
+    if cls is RootInUseError:
+        kwargs.update(owner={"host": "node7", "pid": 1234})
     return cls(f"{cls.__name__}: what happened; what to do.", **kwargs)
 
 

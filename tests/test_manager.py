@@ -25,6 +25,7 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
+from safeckpt.atomic import read_pointer
 from safeckpt.fileops import FileOps
 from toy import make_state, same_weights, train_step, weights
 
@@ -40,7 +41,7 @@ def root(root_dir: Path) -> Path:
 def run(root: Path, steps: range, *, async_save: bool, save_every: int = 1, **kw: Any) -> dict[str, Any]:
     state = make_state()
     with CheckpointManager(root, async_save=async_save, **kw) as mgr:
-        start = mgr.restore(state)
+        start = mgr.restore(state).step or 0
         assert start == steps.start
         for step in steps:
             loss = train_step(state)
@@ -61,7 +62,7 @@ def test_round_trip_restores_every_kind_of_state(root: Path, async_save: bool) -
     fresh = make_state(seed=1)
     fresh["ema"] = torch.zeros(6)
     with CheckpointManager(root, async_save=async_save) as mgr:
-        assert mgr.restore(fresh) == 3
+        assert mgr.restore(fresh).step == 3
     assert same_weights(weights(state), weights(fresh))
     moments = fresh["optim"].state_dict()["state"]
     for key, value in state["optim"].state_dict()["state"].items():
@@ -107,7 +108,7 @@ def test_nothing_to_resume_returns_zero_and_leaves_state(root: Path) -> None:
     state = make_state()
     before = weights(state)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(state) == 0
+        assert mgr.restore(state).step is None
     assert same_weights(before, weights(state))
 
 
@@ -144,7 +145,7 @@ def test_second_save_of_a_step_replaces_it(root: Path, ops: FileOps) -> None:
     assert record is not None and record.metrics == {"loss": 0.5}
     fresh = make_state(seed=2)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(fresh) == 7
+        assert mgr.restore(fresh).step == 7
     assert same_weights(weights(fresh), weights(state))
     assert list((root / ".trash").iterdir()) == []
 
@@ -203,7 +204,8 @@ def test_bad_save_arguments_write_nothing(
 def test_unsupported_state_value_is_refused(root: Path) -> None:
     state = make_state()
     state["callback"] = lambda: None
-    with CheckpointManager(root) as mgr, pytest.raises(UnsupportedStateError, match=r"state\['callback'\]"):
+    refused = pytest.raises(UnsupportedStateError, match=r"callback is a builtins\.function")
+    with CheckpointManager(root) as mgr, refused:
         mgr.save(1, state)
     assert not any(root.glob("step_*"))
 
@@ -255,18 +257,22 @@ def test_auto_resume_falls_back_to_newest_complete(
         expected = 3
     fresh = make_state(seed=9)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(fresh) == expected
+        # `latest` only mirrors the newest commit (damaged data is found on load): repaired at open
+        newest_commit = 3 if damage == "truncated-data" else expected
+        assert read_pointer(root / "latest") == f"step_{newest_commit}"
+        assert mgr.restore(fresh).step == expected
     assert same_weights(weights(fresh), saved[expected])
-    assert any(r.levelno == logging.WARNING for r in caplog.records)
+    if damage in ("truncated-data", "record-missing"):  # damage is said; a lagging pointer is not news
+        assert any(r.levelno == logging.WARNING for r in caplog.records)
 
 
 def test_explicit_step_or_path_is_honoured_or_fails_loudly(root: Path) -> None:
     saved = _three_checkpoints(root)
     fresh = make_state(seed=9)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(fresh, step=1) == 1
+        assert mgr.restore(fresh, step=1).step == 1
         assert same_weights(weights(fresh), saved[1])
-        assert mgr.restore(fresh, path=root / "step_2") == 2
+        assert mgr.restore(fresh, path=root / "step_2").step == 2
         assert same_weights(weights(fresh), saved[2])
         with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
             mgr.restore(fresh, step=4)
@@ -285,7 +291,7 @@ def test_strict_restore_names_missing_entries(root: Path) -> None:
         bigger = make_state(seed=4)
         with pytest.raises(UnsupportedStateError, match="'optim'"):
             mgr.restore(bigger)
-        assert mgr.restore(bigger, strict=False) == 1
+        assert mgr.restore(bigger, strict=False).step == 1
     assert same_weights(weights(bigger), weights(state))
 
 
@@ -296,7 +302,7 @@ def test_leftovers_are_collected_at_start(root: Path) -> None:
     (root / ".trash").mkdir(exist_ok=True)
     (root / ".trash" / "step_0.pruned.0123456789ab").mkdir()
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(make_state()) == 3
+        assert mgr.restore(make_state()).step == 3
     assert list((root / ".staging").iterdir()) == []
     assert list((root / ".trash").iterdir()) == []
 
@@ -307,7 +313,7 @@ def test_interrupted_replacement_is_put_back(root: Path) -> None:
     os.rename(root / "step_3", root / ".trash" / "step_3.replaced.0123456789ab")
     fresh = make_state(seed=5)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(fresh) == 3
+        assert mgr.restore(fresh).step == 3
     assert same_weights(weights(fresh), saved[3])
 
 
@@ -375,9 +381,13 @@ def test_a_registrar_that_raises_costs_only_the_registration(root: Path) -> None
         mgr.save(1, make_state())
     record = read_record(root / "step_1")
     assert record is not None and record.committed
-    assert record.registration == {"status": "failed", "error": "RuntimeError: registry is down"}
+    assert record.registration is not None
+    assert {k: record.registration[k] for k in ("status", "error")} == {
+        "status": "failed",
+        "error": "RuntimeError: registry is down",
+    }
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(make_state()) == 1
+        assert mgr.restore(make_state()).step == 1
 
 
 def test_jsonl_registrar_indexes_commits(root: Path, tmp_path: Path) -> None:
@@ -388,7 +398,9 @@ def test_jsonl_registrar_indexes_commits(root: Path, tmp_path: Path) -> None:
     lines = [json.loads(line) for line in index.read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     record = read_record(root / "step_2")
-    assert record is not None and record.registration == {"status": "registered", "index": str(index)}
+    assert record is not None and record.registration is not None
+    assert record.registration["status"] == "registered"
+    assert record.registration["index"] == str(index)
 
 
 def test_closed_manager_refuses_work_and_close_is_idempotent(root: Path) -> None:

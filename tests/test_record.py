@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ from safeckpt.record import (
 def ckpt(root_dir: Path) -> Path:
     """A checkpoint directory inside the root (local and NFS), with two data files."""
     path = root_dir / "step_5"
-    (path / "sub").mkdir(parents=True)
+    path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(b"a" * 10)
-    (path / "sub" / "part").write_bytes(b"b" * 3)
+    (path / "part.bin").write_bytes(b"b" * 3)
     return path
 
 
@@ -51,7 +52,7 @@ def a_record(**changes: Any) -> Record:
     fields: dict[str, Any] = dict(
         step=5,
         time=1_700_000_000.25,
-        files={"__0_0.distcp": 10, "sub/part": 3},
+        files={"__0_0.distcp": 10, "part.bin": 3},
         metrics={"loss": 0.5, "acc": None, "big": math.inf},
         extra={"epoch": 2, "notes": ["a", {"b": None}], "lr": 1e-4},
         world_size=4,
@@ -107,7 +108,7 @@ def test_a_write_goes_through_a_temp_file_and_replace_under_the_lock(root_dir: P
     assert write.locked and replace.locked
     assert [c.op for c in ops.calls] == ["write_file", "replace", "fsync_dir"]
     assert ops.calls[-1].paths == (ckpt,)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "sub"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "part.bin"]
 
 
 @pytest.mark.parametrize(
@@ -129,7 +130,7 @@ def test_a_failed_write_leaves_the_old_record_and_no_temp_file(
         write_record(ckpt, a_record(pinned=True, extra={"x": "y" * 10_000}), lock, ops)
     assert info.value.errno == errno.ENOSPC
     assert read_record(ckpt) == old
-    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "sub"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "part.bin"]
     assert not lock.held()
 
 
@@ -225,21 +226,24 @@ def test_from_json_names_its_source() -> None:
 
 def test_list_files_lists_everything_but_the_record(ckpt: Path, lock: SidecarLock) -> None:
     write_record(ckpt, a_record(), lock, FaultyFileOps())
-    assert list_files(ckpt) == {"__0_0.distcp": 10, "sub/part": 3}
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "nested").write_bytes(b"x")  # a checkpoint is flat: a directory is no part of it
+    (ckpt / ".metadata.json.tmp.0123456789ab").write_bytes(b"{")  # an interrupted amend's temp file
+    assert list_files(ckpt) == {"__0_0.distcp": 10, "part.bin": 3}
 
 
 FILE_PROBLEMS = [
     pytest.param({}, [], id="complete"),
     pytest.param({"extra_file_on_disk": None}, [], id="unlisted-file-is-fine"),
     pytest.param({"__0_0.distcp": "delete"}, ["__0_0.distcp is missing"], id="missing"),
-    pytest.param({"sub/part": b"bb"}, ["sub/part has 2 bytes, the record says 3"], id="shorter"),
+    pytest.param({"part.bin": b"bb"}, ["part.bin has 2 bytes, the record says 3"], id="shorter"),
     pytest.param({"__0_0.distcp": b"a" * 11}, ["__0_0.distcp has 11 bytes, the record says 10"], id="longer"),
     pytest.param(
-        {"__0_0.distcp": "delete", "sub/part": b""},
-        ["__0_0.distcp is missing", "sub/part has 0 bytes, the record says 3"],
+        {"__0_0.distcp": "delete", "part.bin": b""},
+        ["__0_0.distcp is missing", "part.bin has 0 bytes, the record says 3"],
         id="two-problems-in-order",
     ),
-    pytest.param({"sub": "file"}, ["sub/part is missing"], id="parent-is-a-file"),
+    pytest.param({"part.bin": "fifo"}, ["part.bin is not a regular file"], id="a-fifo-is-not-read"),
 ]
 
 
@@ -250,11 +254,12 @@ def test_missing_or_wrong_files(ckpt: Path, damage: dict[str, Any], expected: li
         path = ckpt / rel
         if what == "delete":
             path.unlink()
-        elif what == "file":
-            for child in path.iterdir():
-                child.unlink()
-            path.rmdir()
-            path.write_bytes(b"now a file")
+        elif what == "fifo":
+            path.unlink()
+            try:
+                os.mkfifo(path)
+            except OSError as e:  # the NFS-semantics FUSE filesystem has no FIFOs
+                pytest.skip(f"no FIFOs on this filesystem ({e})")
         elif what is None:
             path.write_bytes(b"?")
         else:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt import storage
+from safeckpt import archive, storage
 from safeckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
 from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
@@ -163,7 +163,7 @@ def test_a_tensor_of_4_gib_or_more_goes_through_torch_save(
 
 
 def test_without_the_private_helpers_dcp_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage, "_torch_save_records", None)
+    monkeypatch.setattr(archive, "_torch_save_records", None)
     state = sample()
     save_raw(state, tmp_path)
     loaded = zeros_like(state)
@@ -251,10 +251,10 @@ def test_writing_into_a_stream_at_an_offset() -> None:
     stream = io.BytesIO()
     stream.write(b"x" * 1000)
     tensor = torch.randn(100, 7)
-    length = storage.write_tensor_archive(stream, tensor)
-    archive = stream.getvalue()[1000:]
-    assert len(archive) == length
-    assert torch.equal(torch.load(io.BytesIO(archive), weights_only=True), tensor)
+    length = archive.write_tensor_archive(stream, tensor)
+    written = stream.getvalue()[1000:]
+    assert len(written) == length
+    assert torch.equal(torch.load(io.BytesIO(written), weights_only=True), tensor)
 
 
 def test_a_changed_private_helper_disables_the_fast_path(
@@ -263,8 +263,8 @@ def test_a_changed_private_helper_disables_the_fast_path(
     def changed(*args: Any) -> None:
         raise TypeError("_save() takes 4 positional arguments but 5 were given")
 
-    monkeypatch.setattr(storage, "_torch_save_records", changed)
-    monkeypatch.setattr(storage, "_version_cache", [])  # probe again
+    monkeypatch.setattr(archive, "_torch_save_records", changed)
+    monkeypatch.setattr(archive, "_version_cache", [])  # probe again
     assert not raw_path_available()
     state = sample()
     save_raw(state, tmp_path)
@@ -317,6 +317,6 @@ def test_the_dcp_io_switch_reads_what_the_other_path_wrote(
         monkeypatch.setattr(RawFileSystemReader, "read_data", refuse)
     monkeypatch.setenv("SAFECKPT_DCP_IO", read_io)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
-        assert mgr.restore(fresh) == 1
+        assert mgr.restore(fresh).step == 1
     assert torch.equal(fresh["w"], state["w"])
     assert torch.equal(fresh["m"].weight, state["m"].weight)

@@ -3,7 +3,7 @@
 from safeckpt import CheckpointManager, Retention
 
 with CheckpointManager("runs/exp1/ckpt", retention=Retention(keep_last=3)) as mgr:
-    step = mgr.restore(state)
+    start = (r := mgr.restore(state)).step or 0
     ...
     mgr.save(step, state, metrics={"val_loss": v})
 """
@@ -13,19 +13,25 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidSaveError,
     LockTimeoutError,
     ManagerClosedError,
     RankAgreementError,
+    RootInUseError,
     SaveFailedError,
     UnsafeCheckpointError,
     UnsupportedStateError,
 )
 from .fileops import FileOps
+from .loading import load
 from .manager import CheckpointManager
+from .ownership import Owner, read_owner
 from .record import Record, read_record
+from .registration import CommitInfo, register_pending
 from .registry import JsonlIndexRegistrar, Registrar
+from .restored import Restored
 from .retention import (
     CheckpointInfo,
     KeepAll,
@@ -33,10 +39,13 @@ from .retention import (
     KeepBest,
     KeepEvery,
     KeepLast,
+    KeepMilestones,
     KeepPinned,
+    KeepTimeInterval,
     Policy,
     Retention,
 )
+from .schedule import Milestones, SaveSchedule
 from .view import CheckpointStatus
 
 __all__ = [
@@ -45,7 +54,9 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointStatus",
+    "CommitInfo",
     "ConfigError",
+    "CorruptCheckpointError",
     "FileOps",
     "IncompleteCheckpointError",
     "InvalidSaveError",
@@ -55,17 +66,27 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLast",
+    "KeepMilestones",
     "KeepPinned",
+    "KeepTimeInterval",
     "LockTimeoutError",
     "ManagerClosedError",
+    "Milestones",
+    "Owner",
     "Policy",
     "RankAgreementError",
     "Record",
     "Registrar",
+    "Restored",
     "Retention",
+    "RootInUseError",
     "SaveFailedError",
+    "SaveSchedule",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
     "__version__",
+    "load",
+    "read_owner",
     "read_record",
+    "register_pending",
 ]

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from pathlib import Path
 
+from .errors import CheckpointError
 from .fileops import FileOps
+from .integrity import read_small
 
 # Filesystems without symlinks (some FUSE, SMB and object-store mounts) say so
 # with one of these; ``latest`` then becomes a small file naming the directory.
@@ -61,19 +64,45 @@ def swap_pointer(pointer: Path, target_name: str, ops: FileOps) -> None:
 
 
 def read_pointer(pointer: Path) -> str | None:
-    """The name ``pointer`` designates, or None when it is missing or unreadable."""
+    """The name ``pointer`` designates, or None when it is missing, unreadable or not a pointer.
+
+    Only a symlink or a small regular file is a pointer; anything else (a
+    directory, a FIFO) is treated as missing, never opened.
+    """
     try:
-        return os.readlink(pointer)
-    except FileNotFoundError:
+        info = os.lstat(pointer)
+    except OSError:
         return None
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: not a symlink, so the small-file form
+    if stat.S_ISLNK(info.st_mode):
+        try:
+            return os.readlink(pointer)
+        except OSError:
             return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > _POINTER_LIMIT:
+        return None
     try:
-        text = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        text = read_small(pointer, limit=_POINTER_LIMIT, what="pointer").decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
         return None
     return text or None
+
+
+_POINTER_LIMIT = 4096
+
+
+def clear_non_pointer(pointer: Path, aside: Path) -> bool:
+    """Move whatever sits at ``pointer`` out of the way if it is not a pointer (a directory, a FIFO).
+
+    It is renamed to ``aside`` (kept, not deleted: it is not ours). Returns whether it moved.
+    """
+    try:
+        info = os.lstat(pointer)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode) or stat.S_ISREG(info.st_mode):
+        return False
+    os.replace(pointer, aside)
+    return True
 
 
 def replace_dir(src: Path, dst: Path, displaced: Path, retired: Path, ops: FileOps) -> bool:

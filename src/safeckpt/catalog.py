@@ -7,27 +7,41 @@ replaced atomically, so a reader sees a whole one).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import read_pointer
-from .errors import IncompleteCheckpointError
-from .layout import Layout, parse_step_dirname
+from .errors import IncompleteCheckpointError, UnsafeCheckpointError
+from .layout import REPLACED, Layout, parse_step_dirname, parse_trash_name
 from .record import Record, missing_or_wrong_files, read_record
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One ``step_<N>`` directory: its record, or why it has no usable one."""
+    """One checkpoint directory: its record, or why it has no usable one.
+
+    ``displaced`` marks the old copy of a step whose replacement a crash
+    interrupted (``.trash/step_<N>.replaced.*`` while ``step_<N>`` is missing):
+    it is still that step's committed copy until the owner's start-up recovery
+    puts it back.
+    """
 
     step: int
     path: Path
     record: Record | None
     problem: str | None = None
+    displaced: bool = False
 
     @property
     def committed(self) -> bool:
         return self.record is not None and self.problem is None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Commit order: by the record's sequence (records before format 2 first, by step)."""
+        seq = self.record.seq if self.record is not None and self.record.seq is not None else -1
+        return (seq, self.step)
 
 
 @dataclass(frozen=True)
@@ -44,42 +58,72 @@ class Catalog:
     def committed(self) -> dict[int, Entry]:
         return {e.step: e for e in self.entries if e.committed}
 
+    def newest_first(self) -> list[Entry]:
+        """Committed checkpoints, the most recent commit first (the order auto-resume tries)."""
+        return sorted(self.committed.values(), key=lambda e: e.order, reverse=True)
+
     @property
     def latest_step(self) -> int | None:
-        """The step ``latest`` names if that step is committed, else None."""
+        """The most recently committed step: what auto-resume takes (``latest`` only mirrors it)."""
+        newest = self.newest_first()
+        return newest[0].step if newest else None
+
+    @property
+    def pointer_step(self) -> int | None:
+        """The step the ``latest`` pointer names if that step is committed, else None."""
         step = parse_step_dirname(self.latest_name) if self.latest_name else None
         return step if step in self.committed else None
 
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next commit gets."""
+        seqs = [e.record.seq for e in self.entries if e.record is not None and e.record.seq is not None]
+        return max(seqs, default=0) + 1
+
 
 def scan(root: Path) -> Catalog:
-    """Read every record under ``root``. A directory with a bad record is listed with its problem."""
+    """Read every record under ``root``. A directory with a bad record is listed with its problem.
+
+    Reads only (never follows a link out of the root, never opens anything but
+    regular files), so it is safe on a root another job is writing.
+    """
     layout = Layout(root)
-    entries = []
-    for step, path in layout.committed_dirs():
-        try:
-            record = read_record(path)
-        except IncompleteCheckpointError as e:
-            entries.append(Entry(step, path, None, str(e)))
+    entries = [_entry(step, path) for step, path in layout.committed_dirs()]
+    present = {e.step for e in entries}
+    trash = tuple(layout.trash_entries())
+    for path in trash:
+        parsed = parse_trash_name(path.name)
+        if parsed is None or parsed[1] != REPLACED or parsed[0] in present:
             continue
-        if record is None:
-            entries.append(Entry(step, path, None, "no record (a save that never finished, or not ours)"))
-        elif not record.committed:
-            entries.append(Entry(step, path, record, f"record status is {record.status!r}"))
-        elif record.step != step:
-            entries.append(Entry(step, path, record, f"record is of step {record.step}"))
-        else:
-            entries.append(Entry(step, path, record))
+        entry = _entry(parsed[0], path)
+        if entry.committed:
+            entries.append(dataclasses.replace(entry, displaced=True))
+            present.add(entry.step)
     return Catalog(
         layout=layout,
-        entries=tuple(entries),
+        entries=tuple(sorted(entries, key=lambda e: e.step)),
         latest_name=read_pointer(layout.latest_path),
         staging=tuple(layout.staging_entries()),
-        trash=tuple(layout.trash_entries()),
+        trash=trash,
     )
 
 
+def _entry(step: int, path: Path) -> Entry:
+    try:
+        record = read_record(path, step=step)
+    except (IncompleteCheckpointError, UnsafeCheckpointError) as e:
+        return Entry(step, path, None, str(e))
+    except OSError as e:  # gone meanwhile (pruned), or unreadable
+        return Entry(step, path, None, f"unreadable ({e})")
+    if record is None:
+        return Entry(step, path, None, "no record (a save that never finished, or not ours)")
+    if not record.committed:
+        return Entry(step, path, record, f"record status is {record.status!r}")
+    return Entry(step, path, record)
+
+
 def verify_files(entry: Entry) -> list[str]:
-    """What is wrong with ``entry``'s files against its record (empty: complete)."""
+    """What is wrong with ``entry``'s files against its record (empty: complete). Stats only."""
     if entry.record is None:
         return [entry.problem or "no record"]
     problems = [entry.problem] if entry.problem else []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import pickle
 import threading
@@ -29,8 +30,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from .errors import IncompleteCheckpointError, UnsafeCheckpointError
+from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from .integrity import FileChecksum, check_member_name, parse_checksums, read_verified
+from .record import Record, read_record
 from .storage import RawFileSystemReader, RawFileSystemWriter
+
+logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 
@@ -82,11 +87,25 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
-    """``.metadata`` of ``checkpoint_dir``, through :class:`RestrictedUnpickler`."""
+def read_metadata(checkpoint_dir: Path, *, record: Record | None = None) -> dcp_metadata.Metadata:
+    """``.metadata`` of ``checkpoint_dir``, verified and through :class:`RestrictedUnpickler`.
+
+    Its size and checksum are checked against ``record`` (read from the
+    directory when not given), and every storage path it names must be a file
+    the record lists, within that file's size: a ``.metadata`` that points out
+    of its checkpoint raises :class:`UnsafeCheckpointError` before any data is read.
+    """
     path = checkpoint_dir / METADATA_NAME
+    if record is None:
+        record = read_record(checkpoint_dir)
+    checksums = checksums_of(record, checkpoint_dir)
     try:
-        raw = path.read_bytes()
+        raw = read_verified(
+            path,
+            size=None if record is None else record.files.get(METADATA_NAME),
+            checksum=None if checksums is None else checksums.get(METADATA_NAME),
+            step=None if record is None else record.step,
+        )
     except (FileNotFoundError, NotADirectoryError) as e:
         raise IncompleteCheckpointError(
             f"{checkpoint_dir} has no {METADATA_NAME}: it is not a complete DCP checkpoint. Restore "
@@ -95,8 +114,18 @@ def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
         ) from e
     digest = hashlib.sha256(raw).digest()
     with _last_parsed_lock:
-        if _last_parsed and _last_parsed[0] == digest:
-            return _last_parsed[1]
+        cached = _last_parsed[1] if _last_parsed and _last_parsed[0] == digest else None
+    if cached is not None:
+        metadata = cached
+    else:
+        metadata = _unpickle_metadata(raw, path)
+        with _last_parsed_lock:
+            _last_parsed[:] = [digest, metadata]
+    _check_storage_paths(metadata, path, record)
+    return metadata
+
+
+def _unpickle_metadata(raw: bytes, path: Path) -> dcp_metadata.Metadata:
     try:
         metadata = RestrictedUnpickler(io.BytesIO(raw), source=str(path)).load()
     except UnsafeCheckpointError:
@@ -112,9 +141,81 @@ def read_metadata(checkpoint_dir: Path) -> dcp_metadata.Metadata:
             f"{path} holds a {type(metadata).__name__}, not DCP metadata; restore another checkpoint.",
             path=str(path),
         )
-    with _last_parsed_lock:
-        _last_parsed[:] = [digest, metadata]
     return metadata
+
+
+def _check_storage_paths(metadata: dcp_metadata.Metadata, path: Path, record: Record | None) -> None:
+    """Every item's file is a plain name inside the checkpoint (listed by the record, within its size)."""
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        check_member_name(relative, where=str(path))  # type: ignore[arg-type]
+        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+        if record is None:
+            continue
+        size = record.files.get(relative)  # type: ignore[arg-type]
+        if size is None or relative == METADATA_NAME:
+            raise UnsafeCheckpointError(
+                f"{path} points at {relative!r}, which is not a data file of this checkpoint (its "
+                "record does not list it). The checkpoint was modified; restore another one.",
+                path=str(path),
+                step=record.step,
+            )
+        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
+            raise UnsafeCheckpointError(f"{path} holds a malformed storage entry", path=str(path))
+        if offset + length > size:
+            raise UnsafeCheckpointError(
+                f"{path} points past the end of {relative} ({offset}+{length} > {size} bytes); the "
+                "checkpoint was modified. Restore another one.",
+                path=str(path),
+                step=record.step,
+            )
+
+
+def verification_enabled() -> bool:
+    """``SAFECKPT_VERIFY=0`` turns checksum verification on load off (measured in
+    docs/performance.md; on by default). ``safeckpt verify`` always verifies."""
+    return os.environ.get("SAFECKPT_VERIFY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def checksums_of(
+    record: Record | None, directory: Path, *, for_load: bool = True
+) -> dict[str, FileChecksum] | None:
+    """The record's checksums (None, with a warning once per directory, for an older record).
+
+    None too when verification on load is switched off (``for_load`` and ``SAFECKPT_VERIFY=0``).
+    """
+    if for_load and not verification_enabled():
+        return None
+    if record is None or record.checksums is None:
+        key = str(directory)
+        if key not in _warned_unverifiable:
+            _warned_unverifiable.add(key)
+            logger.warning(
+                "safeckpt: %s was written without checksums (before safeckpt 0.2, or not by "
+                "safeckpt); its bytes cannot be verified as they load",
+                directory,
+            )
+        return None
+    try:  # the record file's identity: an atomic rewrite gives it a new inode
+        info = os.stat(directory / "metadata.json")
+        key: tuple[Any, ...] | None = (str(directory), info.st_ino, info.st_mtime_ns, info.st_size)
+    except OSError:
+        key = None
+    with _parsed_checksums_lock:
+        cached = _parsed_checksums.get(key) if key is not None else None
+    if cached is None:
+        # Parsed once per checkpoint: a restore of 10^4 tensors asks for them many times.
+        cached = parse_checksums(record.checksums, record.files, where=str(directory / "metadata.json"))
+        if key is not None:
+            with _parsed_checksums_lock:
+                _parsed_checksums.clear()
+                _parsed_checksums[key] = cached
+    return cached
+
+
+_warned_unverifiable: set[str] = set()
+_parsed_checksums: dict[tuple[Any, ...], dict[str, FileChecksum] | None] = {}
+_parsed_checksums_lock = threading.Lock()
 
 
 # Unpickling a large .metadata takes tens of ms and a restore needs it several times
@@ -128,9 +229,10 @@ class _RestrictedMetadata:
 
     path: Any
     load_id: Any
+    _record: Record | None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_metadata(Path(self.path))
+        metadata = read_metadata(Path(self.path), record=self._record)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -138,12 +240,26 @@ class _RestrictedMetadata:
 
 
 class SafeFileSystemReader(_RestrictedMetadata, RawFileSystemReader):
-    """Tensors read straight into their destination (``data.pkl`` through torch's
-    weights-only unpickler); ``.metadata`` through the restricted unpickler."""
+    """Tensors read straight into their destination and checked against their CRC32 segment
+    (``data.pkl`` through torch's weights-only unpickler); ``.metadata`` through the restricted unpickler."""
+
+    def __init__(self, path: str | os.PathLike[str], *, record: Record | None = None) -> None:
+        if record is None:
+            record = read_record(Path(path))
+        super().__init__(
+            path,
+            checksums=checksums_of(record, Path(path)),
+            step=None if record is None else record.step,
+        )
+        self._record = record
 
 
-class SafeTorchFileSystemReader(_RestrictedMetadata, FileSystemReader):
-    """DCP's own reader, with ``.metadata`` through the restricted unpickler."""
+class SafeTorchFileSystemReader(SafeFileSystemReader):
+    """DCP's own reader (``SAFECKPT_DCP_IO=torch``), each item's bytes checked before DCP reads them."""
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        self.verify_items(plan.items)
+        return FileSystemReader.read_data(self, plan, planner)
 
 
 def _torch_io() -> bool:
@@ -176,44 +292,62 @@ def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
     return {"process_group": group}
 
 
-def save(state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+def save(
+    state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGroup | None
+) -> dict[str, FileChecksum]:
     """Write ``state_dict`` with DCP into ``directory``; every file fsynced.
 
-    Collective over ``group`` (every rank of it calls this with the same directory).
+    Collective over ``group`` (every rank of it calls this with the same
+    directory). Returns the CRC32 segments of the files this rank wrote that
+    it could checksum as it wrote them (DCP's own writer: none; the caller
+    checksums what is missing).
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     writer_class = FileSystemWriter if _torch_io() else RawFileSystemWriter
     writer = writer_class(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
     dcp.save(dict(state_dict), storage_writer=writer, **_group_or_none(group))
+    return dict(getattr(writer, "checksums", {}))
 
 
-def load(state_dict: dict[str, Any], directory: Path, group: dist.ProcessGroup | None) -> None:
+def load(
+    state_dict: dict[str, Any],
+    directory: Path,
+    group: dist.ProcessGroup | None,
+    *,
+    record: Record | None = None,
+) -> None:
     """Load ``directory`` into ``state_dict`` in place, safely. Collective over ``group``.
 
-    Raises :class:`UnsafeCheckpointError` when the checkpoint asks to run code.
+    Every byte read is checked against the checksums in ``record`` (read from
+    the directory when not given): :class:`CorruptCheckpointError` on a mismatch.
+    Raises :class:`UnsafeCheckpointError` when the checkpoint asks to run code
+    or to read outside itself.
     """
+    if record is None:
+        record = read_record(directory)
     # Inside dcp.load a failed metadata read becomes the text of an AssertionError (after a
     # fallback to per-rank metadata), so read it here first: its errors then keep their type.
-    read_metadata(directory)
+    read_metadata(directory, record=record)
+    reader_class = SafeTorchFileSystemReader if _torch_io() else SafeFileSystemReader
     try:
         dcp.load(
             state_dict,
-            storage_reader=(SafeTorchFileSystemReader if _torch_io() else SafeFileSystemReader)(directory),
+            storage_reader=reader_class(directory, record=record),
             planner=SafeLoadPlanner(),
             **_group_or_none(group),
         )
     except CheckpointException as e:
-        # DCP wraps every rank's error in a CheckpointException (a BaseException); a refusal
-        # to run code must reach the caller as what it is.
-        unsafe = _unsafe_failure(e)
-        if unsafe is not None:
-            raise unsafe from e
+        # DCP wraps every rank's error in a CheckpointException (a BaseException); ours (a
+        # refusal to run code, a checksum mismatch) must reach the caller as what it is.
+        ours = _our_failure(e)
+        if ours is not None:
+            raise ours from e
         raise
 
 
-def _unsafe_failure(error: CheckpointException) -> UnsafeCheckpointError | None:
+def _our_failure(error: CheckpointException) -> CheckpointError | None:
     for _rank, failure in sorted(error.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, UnsafeCheckpointError):
+        if isinstance(exc, CheckpointError):
             return exc
     return None

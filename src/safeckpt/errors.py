@@ -55,7 +55,27 @@ class IncompleteCheckpointError(CheckpointError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asked to run code or build an object that loading never allows."""
+    """A checkpoint asked to run code, to read a file outside itself, or to open something that is
+    not a regular file: loading never allows it."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Bytes of a checkpoint do not match the checksum written with them; they are never loaded.
+
+    ``path`` is the file, ``offset`` where the mismatching segment starts, ``step`` the checkpoint's.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.offset = offset
 
 
 class InvalidSaveError(CheckpointError, ValueError):
@@ -128,6 +148,25 @@ class RankAgreementError(CheckpointError):
 
 class LockTimeoutError(CheckpointError, TimeoutError):
     """The sidecar lock of a checkpoint root could not be taken in time."""
+
+
+class RootInUseError(CheckpointError):
+    """Another live process owns the root's writes; a root has one writer at a time.
+
+    ``owner`` describes it (host, pid, since when, last heartbeat).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        owner: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.owner = dict(owner or {})
 
 
 class ManagerClosedError(CheckpointError, RuntimeError):

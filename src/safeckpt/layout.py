@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UnsafeCheckpointError
+
 RECORD_NAME = "metadata.json"
 LATEST_NAME = "latest"
 STAGING_NAME = ".staging"
@@ -110,10 +112,27 @@ class Layout:
     def trash_entries(self) -> list[Path]:
         return sorted(Path(e.path) for e in _scandir(self.trash))
 
+    def check_private_dirs(self) -> None:
+        """Raise unless ``.staging`` and ``.trash`` are real directories of this root (or absent).
+
+        Everything in them is deleted eventually: through a symlink that would
+        delete another directory's contents.
+        """
+        for path in (self.staging, self.trash):
+            if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+                raise UnsafeCheckpointError(
+                    f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a directory'}; "
+                    "safeckpt deletes what is in it, so it refuses to use it. Remove it (it is not "
+                    "a checkpoint) and start again.",
+                    path=str(path),
+                )
+
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:
+    if os.path.islink(path):  # never list (and so never act on) another directory through a link
+        return []
     try:
         with os.scandir(path) as it:
             return list(it)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []

@@ -8,13 +8,15 @@ whatever ``latest`` names is never removed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import dcp_io
-from .catalog import Catalog, scan, verify_files
+from .catalog import Catalog, Entry, scan, verify_files
 from .errors import CheckpointError, CheckpointNotFoundError
 from .fileops import DEFAULT_FILE_OPS, FileOps
+from .integrity import verify_file
 from .layout import Layout
 from .lock import SidecarLock
 from .record import Record, amend_record
@@ -23,19 +25,21 @@ from .retention import CheckpointInfo, Retention, plan_removals
 
 
 def protected_steps(catalog: Catalog) -> set[int]:
-    """What no prune may remove: the step ``latest`` names, or the newest committed
-    one when ``latest`` is missing or broken (auto-resume falls back to it)."""
-    if catalog.latest_step is not None:
-        return {catalog.latest_step}
-    return {max(catalog.committed)} if catalog.committed else set()
+    """What no prune may remove: the newest commit (what auto-resume takes) and the step the
+    ``latest`` pointer names, which a lagging pointer can make two different steps."""
+    protected = {catalog.latest_step, catalog.pointer_step}
+    return {s for s in protected if s is not None}
 
 
 def infos(catalog: Catalog) -> list[CheckpointInfo]:
+    """Retention's view of the committed checkpoints that a prune could remove (in place, not a
+    displaced copy waiting in the trash for start-up recovery)."""
     out = []
     for step, entry in sorted(catalog.committed.items()):
         record = entry.record
         assert record is not None
-        out.append(CheckpointInfo(step, record.metrics, record.time, record.pinned))
+        if not entry.displaced:
+            out.append(CheckpointInfo(step, record.metrics, record.time, record.pinned))
     return out
 
 
@@ -76,6 +80,7 @@ def _prune_locked(
     drain_timeout: float,
 ) -> PruneResult:
     result = PruneResult()
+    layout.check_private_dirs()
     if not dry_run:
         recover_interrupted_replacements(layout, lock, ops)
     with lock:
@@ -106,25 +111,72 @@ def set_pinned(
         lock.close()
 
 
-def verify(root: str | os.PathLike[str], step: int | None = None) -> dict[int, list[str]]:
-    """For each committed checkpoint (or just ``step``): what is wrong with it (empty: sound).
+def verify(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    steps: Sequence[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[int, list[str]]:
+    """For each committed checkpoint (or ``step``, or ``steps``): what is wrong with it (empty: sound).
 
-    Checks the record, every file's presence and size, and that DCP's
-    ``.metadata`` reads through the restricted unpickler.
+    Reads every byte of every file and checks it against the checksums in the
+    record; checks the record itself, every file's presence and size, and that
+    DCP's ``.metadata`` reads through the restricted unpickler and names only
+    files of its checkpoint. ``progress(n)`` is called as ``n`` more bytes are read.
+    Needs no lock and no ownership: a checkpoint that a running job prunes while
+    it is read is left out of the report (it is gone, not broken).
     """
     catalog = scan(Path(root).absolute())
     entries = {e.step: e for e in catalog.entries}
-    if step is not None:
-        if step not in entries:
-            raise CheckpointNotFoundError(f"there is no checkpoint of step {step} in {root}.", step=step)
-        entries = {step: entries[step]}
+    wanted = list(steps or []) + ([step] if step is not None else [])
+    if wanted:
+        missing = [s for s in wanted if s not in entries]
+        if missing:
+            raise CheckpointNotFoundError(
+                f"there is no checkpoint of step {missing[0]} in {root}; `safeckpt ls {root}` lists them.",
+                step=missing[0],
+            )
+        entries = {s: entries[s] for s in wanted}
     report: dict[int, list[str]] = {}
     for s, entry in sorted(entries.items()):
-        problems = verify_files(entry)
-        if not problems:
-            try:
-                dcp_io.read_metadata(entry.path)
-            except CheckpointError as e:
-                problems.append(str(e))
+        problems = verify_entry(entry, progress=progress)
+        if problems and not os.path.lexists(entry.path):
+            continue  # pruned (moved to the trash) while we read it
         report[s] = problems
     return report
+
+
+def total_bytes(root: str | os.PathLike[str], steps: Sequence[int] | None = None) -> int:
+    """What :func:`verify` reads, in bytes (for a progress bar's total)."""
+    catalog = scan(Path(root).absolute())
+    return sum(
+        e.record.size
+        for e in catalog.entries
+        if e.record is not None and (not steps or e.step in steps)
+    )
+
+
+def verify_entry(entry: Entry, *, progress: Callable[[int], None] | None = None) -> list[str]:
+    """What is wrong with one checkpoint, reading all of its bytes (empty: sound)."""
+    problems = verify_files(entry)
+    if problems or entry.record is None:
+        return problems
+    record = entry.record
+    try:
+        checksums = dcp_io.checksums_of(record, entry.path, for_load=False)
+    except CheckpointError as e:
+        return [str(e)]
+    if checksums is None:
+        problems.append("written without checksums (by an older safeckpt): its bytes cannot be verified")
+    else:
+        for name, checksum in sorted(checksums.items()):
+            try:
+                verify_file(entry.path / name, checksum, step=entry.step, progress=progress)
+            except (CheckpointError, OSError) as e:
+                problems.append(str(e))
+    try:
+        dcp_io.read_metadata(entry.path, record=record)
+    except (CheckpointError, OSError) as e:
+        problems.append(str(e))
+    return problems

@@ -1,21 +1,14 @@
-"""CheckpointManager: the one stateful coordinator.
+"""CheckpointManager: the one stateful coordinator, kept thin.
 
 It owns one view of every save (queued, writing, committed, cancelled), and
 both the writer and retention act on that view: a removal is a decision about
 it, never a blind ``rm`` of a path. Rank 0 alone writes records, moves
 ``latest`` and prunes; every rank writes its own shards.
 
-The commit protocol of one save (see ``docs/format.md``):
-
-1. every rank writes its DCP shards and its train-state file into
-   ``.staging/step_<N>.<token>/``, each file fsynced;
-2. the ranks agree that every write succeeded (nothing is committed otherwise);
-3. rank 0, holding the sidecar lock, writes the record (temp, fsync, replace,
-   directory fsync), renames the directory to ``step_<N>`` (atomically
-   replacing an earlier copy of that step), fsyncs the root and swaps
-   ``latest`` to it;
-4. rank 0 applies retention to the committed checkpoints and moves what falls
-   out to ``.trash/``, where a background deleter removes it.
+The manager is the public API and its wiring; each half of the work lives in
+its own module: opening a root (:mod:`safeckpt.opening`), the life of a save
+after ``save()`` (:mod:`safeckpt.commit`, with the commit protocol), resuming
+(:mod:`safeckpt.resume`) and agreement on outcomes (:mod:`safeckpt.outcome`).
 """
 
 from __future__ import annotations
@@ -24,74 +17,80 @@ import atexit
 import logging
 import operator
 import os
+import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import dcp_io
-from ._version import __version__
-from .atomic import replace_dir, swap_pointer
-from .catalog import scan
-from .distributed import Participants, agreed_error
-from .distributed import portable as _portable
+from .commit import CommitPath
+from .distributed import Participants
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
-    IncompleteCheckpointError,
     InvalidSaveError,
     ManagerClosedError,
-    RankAgreementError,
     SaveFailedError,
 )
-from .failures import save_failed
 from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import PRUNED, REPLACED, Layout, step_dirname
+from .layout import Layout
+from .loading import load as load_state
 from .lock import SidecarLock
+from .opening import OpenPath
+from .outcome import Outcomes, _taken_anyway
+from .ownership import Ownership
+from .preemption import PreemptionHandlers, signal_name
 from .record import (
-    Record,
     amend_record,
     check_json_value,
     clean_metrics,
-    list_files,
-    read_record,
-    write_record,
 )
+from .registration import CommitInfo, RegistrationWorker
 from .registry import Registrar
 from .removal import (
     Deleter,
-    collect_abandoned_staging,
-    discard_checkpoint,
-    recover_interrupted_replacements,
 )
-from .restore import choose_checkpoint, load_checkpoint
-from .retention import Retention
+from .restore import check_own_files, load_checkpoint
+from .restored import Restored
+from .resume import ResumePath, _attempt
+from .retention import Policy, Retention, is_policy, with_pinned
+from .schedule import SaveSchedule
 from .state import (
+    StateCache,
     capture,
-    train_state_filename,
 )
-from .view import CheckpointStatus, Committed, SaveView
-from .writer import COMMITTED, FAILED, BackgroundWriter, SaveJob, StagingPool
+from .view import CheckpointStatus, Committed, SaveJob, SaveView
+from .writer import BackgroundWriter, StagingPool
 
 logger = logging.getLogger(__name__)
 
 _WRITE_ERRORS = (Exception, CheckpointException)
 
 
-class CheckpointManager:
+class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
     """Saves, keeps, prunes and restores the checkpoints of one training run.
 
     Args:
         root: the run's checkpoint directory (created if missing).
         async_save: ``save()`` returns once the state is copied into reused host
             buffers; a background thread writes and commits it.
-        retention: which checkpoints to keep; None keeps all.
+        retention: which checkpoints to keep: a :class:`Retention`, or any
+            :class:`Policy` (``keep(infos)`` and ``reason()``); None keeps all.
+            Pinned checkpoints are kept whatever it says.
+        schedule: when :meth:`should_save` says to save (every N steps,
+            milestones, every T seconds); None: only after a preemption signal.
+        preemption_signals: signals (``signal.SIGTERM``, ``signal.SIGUSR1``)
+            whose handlers only set a flag: the next :meth:`should_save` returns
+            True on every rank and :attr:`preempted` becomes True. Off by
+            default: a loop that never asks would no longer stop on SIGTERM.
+            ``close()`` puts the previous handlers back. Main thread only.
+            Pass the same ``schedule`` and ``preemption_signals`` on every rank.
         queue_depth: staged saves that may wait while one is written (each costs
             one host copy of the state). 1: a ``save()`` during a write waits
             until the previous save's data is on disk.
@@ -100,9 +99,14 @@ class CheckpointManager:
             checkpoints (a slow NFS server can hold a ``.nfs`` file for seconds).
         lock_timeout: how long to wait for the root's sidecar lock.
         timeout: how long ranks wait for each other before presuming one dead.
-        registrar: told about each commit (rank 0); its failure costs only the
-            registration.
+        registrar: told about each commit (rank 0), on its own thread after the
+            commit; its failure or slowness costs only the registration.
+        registration_timeout: how long ``close()`` waits for registrations still
+            running or queued; past it their records say ``unfinished``.
         file_ops: the filesystem seam (tests inject faults through it).
+        process_group: the ranks that checkpoint together (e.g. one pipeline
+            stage); every rank of it, and only those, creates the manager. None:
+            every rank of the default group.
 
     Call ``save``, ``wait``, ``flush``, ``restore`` and ``close`` on every rank,
     in the same order. ``close()`` waits for queued saves; the manager is also a
@@ -114,77 +118,87 @@ class CheckpointManager:
         root: str | os.PathLike[str],
         *,
         async_save: bool = True,
-        retention: Retention | None = None,
+        retention: Retention | Policy | None = None,
+        schedule: SaveSchedule | None = None,
+        preemption_signals: Sequence[int] = (),
         queue_depth: int = 1,
         save_rng: bool = True,
         drain_timeout: float = 30.0,
         lock_timeout: float = 300.0,
         timeout: float = 600.0,
         registrar: Registrar | None = None,
+        registration_timeout: float = 60.0,
         retry_interval: float = 1.0,
         file_ops: FileOps | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ConfigError(f"queue_depth={queue_depth!r}: must be a positive integer.")
-        if retention is not None and not isinstance(retention, Retention):
-            raise ConfigError(f"retention must be a safeckpt.Retention, got {type(retention).__name__}.")
+        lock_timeout = _positive_seconds("lock_timeout", lock_timeout)
+        _positive_seconds("timeout", timeout)
+        _positive_seconds("retry_interval", retry_interval)
+        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or not (
+            0 <= drain_timeout < float("inf")
+        ):
+            raise ConfigError(f"drain_timeout={drain_timeout!r}: must be a number of seconds >= 0.")
+        if retention is not None and not (isinstance(retention, Retention) or is_policy(retention)):
+            raise ConfigError(
+                f"retention must be a safeckpt.Retention or a Policy (an object with keep(infos) and "
+                f"reason()), got {type(retention).__name__}."
+            )
+        if schedule is not None and not isinstance(schedule, SaveSchedule):
+            raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         self.root = Path(root).absolute()
         self.async_save = async_save
-        self.retention = retention or Retention()
+        self.retention = retention if retention is not None else Retention()
         self.save_rng = save_rng
         self.drain_timeout = drain_timeout
         self.registrar = registrar
-        self._policy = self.retention.policy()
+        self.registration_timeout = _positive_seconds("registration_timeout", registration_timeout)
+        self._registration: RegistrationWorker | None = None
+        self._policy = with_pinned(self.retention)
+        self.schedule = schedule
+        self._last_save = time.monotonic()
+        self._preempted_by: int | None = None
         self._ops = file_ops or DEFAULT_FILE_OPS
         self._layout = Layout(self.root)
-        self._parts = Participants.create(timeout=timeout)
+        # process_group: the ranks that checkpoint together (one pipeline stage, say); None: all.
+        self._parts = Participants.create(timeout=timeout, group=process_group)
+        self._state_cache = StateCache()  # the state's structure, reused while it stays the same
         self._closed = False
+        self._api_lock = threading.RLock()  # orders save() and close() called from different threads
 
         self._view = SaveView()
         self._seq = 0
 
         self._lock: SidecarLock | None = None
+        self._ownership: Ownership | None = None
         self._deleter: Deleter | None = None
+        self._lock_timeout = lock_timeout
         error: BaseException | None = None
         if self._parts.is_leader:
             try:
                 self._open_root(lock_timeout, retry_interval)
             except BaseException as e:
                 error = e
+        if error is None and self._parts.is_leader and registrar is not None:
+            assert self._lock is not None
+            self._registration = RegistrationWorker(
+                registrar, self._lock, self._ops, self.root, timeout=self.registration_timeout
+            )
         self._parts.agree(error, self._parts.control, what=f"opening {self.root}")
+        self._share_view(self._parts.control, what=f"the checkpoints in {self.root}")
         self._session = self._parts.broadcast(
             uuid.uuid4().hex[:6], self._parts.control, what="the save session id"
         )
         self._pool = StagingPool(queue_depth) if async_save else None
-        self._writer = BackgroundWriter(self._persist) if async_save else None
+        self._writer = BackgroundWriter(self._persist, on_crash=self._crashed) if async_save else None
         self._atexit = _register_atexit(self)
+        self._signals = signals
+        self._signals.install()
 
     # --- opening -------------------------------------------------------------
-
-    def _open_root(self, lock_timeout: float, retry_interval: float) -> None:
-        """Rank 0: recover from an interrupted run, load the view, start the deleter."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._layout.staging.mkdir(exist_ok=True)
-        self._layout.trash.mkdir(exist_ok=True)
-        self._lock = SidecarLock(self._layout.lock_path, timeout=lock_timeout)
-        recover_interrupted_replacements(self._layout, self._lock, self._ops)
-        abandoned = collect_abandoned_staging(self._layout, self._lock, self._ops)
-        if abandoned:
-            logger.info("collecting %d interrupted save(s) from %s", len(abandoned), self.root)
-        catalog = scan(self.root)
-        for entry in catalog.entries:
-            if not entry.committed:
-                logger.warning(
-                    "safeckpt: ignoring %s: %s. It is neither loaded nor pruned; delete it if it "
-                    "is not yours.",
-                    entry.path,
-                    entry.problem,
-                )
-        committed = [Committed(e.path, e.record) for e in catalog.entries if e.record and e.committed]
-        self._view.load(committed, catalog.latest_step)
-        self._deleter = Deleter(self._layout, self._lock, self._ops, retry_interval=retry_interval)
-        self._deleter.start()
-        self._deleter.schedule()
 
     # --- saving ----------------------------------------------------------------
 
@@ -207,10 +221,23 @@ class CheckpointManager:
         replaces that checkpoint atomically. Raises before writing anything for
         bad arguments, and raises a failed earlier background save here, once.
         """
+        with self._api_lock:  # close() from another thread waits for this save, or refuses it
+            self._save(step, state, metrics=metrics, extra=extra, overwrite=overwrite)
+
+    def _save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None,
+        overwrite: bool,
+    ) -> None:
         self._check_open()
         # Every rank counts every call, also one that fails validation on one rank only:
         # the sequence number names the staging directory all ranks write into.
         self._seq += 1
+        self._last_save = time.monotonic()  # SaveSchedule(every_seconds=...) counts from here
         error: BaseException | None = None
         job: SaveJob | None = None
         try:
@@ -218,9 +245,10 @@ class CheckpointManager:
             clean = clean_metrics(metrics)
             check_json_value(dict(extra or {}), "extra")
             if self._parts.is_leader:
+                self._ensure_writer()
                 self._check_order(step, overwrite)
             try:
-                captured = capture(state, rng=self.save_rng)
+                captured = capture(state, rng=self.save_rng, cache=self._state_cache)
             except CheckpointError:
                 raise
             except Exception as e:  # a state_dict() that raised
@@ -232,7 +260,7 @@ class CheckpointManager:
                 ) from e
             job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
             if self._pool is not None:
-                job.slot = self._pool.acquire()
+                job.slot = self._acquire_slot(step)
                 job.dcp_state = job.slot.stage(captured.dcp)
             else:
                 job.dcp_state = captured.dcp
@@ -242,8 +270,9 @@ class CheckpointManager:
                 job.release_staging(self._pool)
             if not isinstance(e, Exception):
                 raise
+        what = f"save({_int_or_none(step)})"
         try:
-            self._conclude(error, what=f"save of step {step}", step=_int_or_none(step))
+            earlier = self._conclude(error, what=what, step=_int_or_none(step), defer_background=True)
         except BaseException:
             if job is not None:
                 job.release_staging(self._pool)
@@ -259,7 +288,23 @@ class CheckpointManager:
                     )
         else:
             self._persist(job)
-            self._conclude(None, what=f"save of step {step}", step=step)
+            later = self._conclude(None, what=what, step=step, defer_background=earlier is not None)
+            earlier = earlier or later
+        if earlier is not None:
+            raise _taken_anyway(earlier, job.step, async_save=self._writer is not None)
+
+    def _acquire_slot(self, step: int) -> Any:
+        assert self._pool is not None
+        try:
+            return self._pool.acquire(timeout=self._parts.timeout)
+        except TimeoutError as e:
+            raise SaveFailedError(
+                f"save(step={step}): the previous save has not freed its staging buffers within "
+                f"{self._parts.timeout:g} s (its write is stuck: a hung filesystem?). Nothing of step "
+                f"{step} was written; check the storage, or raise timeout.",
+                step=step,
+                cause=e,
+            ) from e
 
     def wait(self) -> None:
         """Block until every queued save is committed (or failed); raise a failure once."""
@@ -281,24 +326,40 @@ class CheckpointManager:
 
         Raises a failed background save that was not raised yet (after cleaning up).
         """
+        with self._api_lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
-        error: BaseException | None = None
-        try:
-            if self._writer is not None:
-                self._writer.wait_idle()
-        except BaseException as e:  # pragma: no cover - wait_idle does not raise
-            error = e
-        finally:
-            self._closed = True
-            if self._writer is not None:
-                self._writer.close()
-            if self._deleter is not None:
-                self._deleter.drain(self.drain_timeout)
-                self._deleter.close()
-            if self._lock is not None:
-                self._lock.close()
-            _unregister_atexit(self._atexit)
+        errors: list[BaseException] = []
+
+        def attempt(action: Any) -> None:
+            # Every part of the teardown runs, whatever an earlier one raised: threads stop and
+            # the lock fd closes; the first error is raised once everything is cleaned up.
+            try:
+                action()
+            except BaseException as e:
+                errors.append(e)
+
+        if self._writer is not None:
+            attempt(self._writer.wait_idle)
+        self._closed = True
+        if self._writer is not None:
+            attempt(self._writer.close)
+        attempt(self._close_registration)
+        if self._deleter is not None:
+            deleter = self._deleter
+            attempt(lambda: deleter.drain(self.drain_timeout))
+            attempt(deleter.close)
+        if self._ownership is not None:
+            attempt(self._ownership.release)
+        if self._lock is not None:
+            attempt(self._lock.close)
+        _unregister_atexit(self._atexit)
+        # only now, with the last save durable: a second SIGTERM during it only set the flag
+        attempt(self._signals.restore)
+        error = errors[0] if errors else None
         self._conclude(error, what="close()")
 
     def __enter__(self) -> CheckpointManager:
@@ -349,221 +410,26 @@ class CheckpointManager:
             time=time.time(),
         )
 
-    def _conclude(self, error: BaseException | None, *, what: str, step: int | None = None) -> None:
-        """Agreement at the end of save/wait/flush/close: every rank raises the same error.
+    def _close_registration(self) -> None:
+        """Offer the final checkpoint, then wait at most ``registration_timeout``. Never raises.
 
-        A background save that failed is raised first, once (it is then cleared
-        on every rank); otherwise ``error`` from any rank.
+        Only a manager that committed something offers one: a reader registers nothing.
         """
-        mine = self._view.unraised()
-        gathered = self._parts.gather(
-            (_portable(error), {seq: _portable(e) for seq, e in mine.items()}),
-            self._parts.control,
-            what=what,
-        )
-        failures: dict[int, BaseException] = {}
-        for _, theirs in gathered:
-            for seq, e in theirs.items():
-                failures.setdefault(seq, e)
-        self._view.raised(failures)
-        if failures:
-            first = failures[min(failures)]
-            if len(failures) > 1:
-                logger.error("safeckpt: %d background saves failed; raising the first", len(failures))
-            if not self._parts.distributed and error is not None:
-                logger.error("safeckpt: %s also failed: %s", what, error)
-            raise first
-        errors = {rank: e for rank, (e, _) in enumerate(gathered) if e is not None}
-        if not errors:
+        worker, self._registration = self._registration, None
+        if worker is None:
             return
-        if not self._parts.distributed:
-            assert error is not None
-            raise error
-        raise agreed_error(errors, what=what, step=step)
-
-    def _persist(self, job: SaveJob) -> None:
-        """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
-
-        Never raises: a failure is recorded for the next save/wait/flush/close.
-        """
         try:
-            self._write_and_commit(job)
-        except RankAgreementError as e:  # a rank died or stopped answering mid-save
-            job.release_staging(self._pool)
-            if job.committed_here:
-                # Every rank had reported its shards durable and rank 0 committed: the
-                # checkpoint is whole. The lost rank is still news for every caller.
-                self._view.finish(job, COMMITTED, e)
-                logger.error("safeckpt: %s", e)
-            else:
-                if self._parts.is_leader:
-                    self._discard_staging(job.staging_dir)
-                self._view.finish(job, FAILED, e)
-                logger.error("safeckpt: step %d was not committed: %s", job.step, e)
-
-    def _write_and_commit(self, job: SaveJob) -> None:
-        parts = self._parts
-        cancel = parts.broadcast(job.cancel_requested, parts.writer, what=f"cancelling step {job.step}")
-        self._view.start(job, cancel)
-        if cancel:
-            job.release_staging(self._pool)
-            return
-        started = time.monotonic()
-        error: BaseException | None = None
-        try:
-            job.staging_dir.mkdir(parents=True, exist_ok=True)
-            dcp_io.save(job.dcp_state, job.staging_dir, parts.writer)
-            self._ops.write_file(job.staging_dir / train_state_filename(parts.rank), job.train_state)
-        except _WRITE_ERRORS as e:
-            error = e
-        finally:
-            job.release_staging(self._pool)
-        written = time.monotonic()
-        failures = parts.gather(_portable(error), parts.writer, what=f"writing step {job.step}")
-        failed = {rank: e for rank, e in enumerate(failures) if e is not None}
-        commit_error: BaseException | None = None
-        if not failed and parts.is_leader:
-            try:
-                self._commit(job)
-            except Exception as e:
-                commit_error = e
-        commit_error = parts.broadcast(
-            _portable(commit_error), parts.writer, what=f"committing step {job.step}"
-        )
-        if commit_error is not None:
-            failed[0] = commit_error
-        if failed:
-            self._fail(job, failed, error)
-            return
-        self._view.finish(job, COMMITTED)
-        logger.info(
-            "safeckpt: committed step %d in %.2f s (write %.2f s)",
-            job.step,
-            time.monotonic() - job.submitted,
-            written - started,
-        )
-        if parts.is_leader:
-            self._register(job.step)
-            self._prune()
-
-    def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
-        parts = self._parts
-        if parts.is_leader:
-            self._discard_staging(job.staging_dir)
             latest = self._view.latest
-            pointer = f"still names {'step ' + str(latest) if latest is not None else 'nothing'}"
-        else:
-            pointer = "is unchanged"
-        error = save_failed(
-            job.step, failed, own=own, root=self.root, latest=pointer, distributed=parts.distributed
-        )
-        self._view.finish(job, FAILED, error)
-        logger.error("safeckpt: %s", error)
-
-    def _discard_staging(self, staging_dir: Path) -> None:
-        """Move a failed save's staging directory to the trash; the deleter retries its removal."""
-        assert self._lock is not None and self._deleter is not None
-        moved = collect_abandoned_staging(self._layout, self._lock, self._ops, only=staging_dir)
-        if moved:
-            self._deleter.schedule()
-
-    def _commit(self, job: SaveJob) -> None:
-        """Rank 0, under the sidecar lock: record, rename into place, move ``latest``."""
-        assert self._lock is not None
-        layout = self._layout
-        record = Record(
-            step=job.step,
-            time=job.time,
-            files=list_files(job.staging_dir),
-            metrics=dict(job.metrics),
-            extra=dict(job.extra),
-            world_size=self._parts.world_size,
-            pinned=job.pinned,
-            torch_version=torch.__version__,
-            library_version=__version__,
-            retention=self.retention.to_json(),
-        )
-        target = layout.step_dir(job.step)
-        with self._lock:
-            write_record(job.staging_dir, record, self._lock, self._ops)
-            layout.trash.mkdir(exist_ok=True)
-            replaced = replace_dir(
-                job.staging_dir,
-                target,
-                layout.new_trash_path(job.step, REPLACED),
-                layout.new_trash_path(job.step, PRUNED),
-                self._ops,
-            )
-            swap_pointer(layout.latest_path, step_dirname(job.step), self._ops)
-            self._view.commit(Committed(target, record))
-            job.committed_here = True
-        if replaced and self._deleter is not None:
-            self._deleter.schedule()
-
-    def _register(self, step: int) -> None:
-        if self.registrar is None:
-            return
-        entry = self._view.get(step)
-        if entry is None:
-            return
-        try:
-            result = self.registrar.register(step, entry.path, entry.record)
-            registration: dict[str, Any] = {"status": "registered", **dict(result or {})}
-            check_json_value(registration, "the registrar's result")
+            entry = self._view.get(latest) if latest is not None else None
+            if entry is not None and worker.saw_commit:
+                worker.submit(
+                    CommitInfo(
+                        latest, entry.path, entry.record, self.root, is_best=self._is_best(latest), final=True
+                    )
+                )
         except Exception as e:
-            logger.warning(
-                "safeckpt: registering step %d failed (%s: %s); the checkpoint itself is committed and safe",
-                step,
-                type(e).__name__,
-                e,
-            )
-            registration = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        try:
-            assert self._lock is not None
-            record = amend_record(entry.path, self._lock, self._ops, registration=registration)
-            self._view.update(Committed(entry.path, record))
-        except Exception as e:
-            logger.warning("safeckpt: could not record the registration of step %d: %s", step, e)
-
-    def _prune(self) -> None:
-        """Rank 0: move committed checkpoints that retention drops into the trash.
-
-        Never the one ``latest`` names, one with a save in flight, or one pinned
-        (the pin is re-read from the record, as a ``safeckpt pin`` may have set it).
-        """
-        assert self._lock is not None
-        self._refresh_pins()
-        drop = self._view.prune_plan(self._policy)
-        removed = []
-        for step in sorted(drop):
-            try:
-                if self._trash_one(step):
-                    removed.append(step)
-            except OSError as e:
-                logger.warning("safeckpt: could not prune step %d (%s); will retry", step, e)
-        if removed:
-            logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
-            assert self._deleter is not None
-            self._deleter.schedule()
-
-    def _refresh_pins(self) -> None:
-        """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""
-        for entry in self._view.pinned():
-            try:
-                record = read_record(entry.path)
-            except IncompleteCheckpointError:
-                continue
-            if record is not None and not record.pinned:
-                self._view.update(Committed(entry.path, record))
-
-    def _trash_one(self, step: int) -> bool:
-        assert self._lock is not None
-        moved, record = discard_checkpoint(self._layout, self._lock, self._ops, step)
-        if moved:
-            self._view.forget(step)
-        elif record is not None:
-            self._view.update(Committed(self._layout.step_dir(step), record))
-        return moved
+            logger.warning("safeckpt: could not offer the final checkpoint for registration: %s", e)
+        worker.close(self.registration_timeout)
 
     # --- pins and views -----------------------------------------------------------
 
@@ -576,23 +442,34 @@ class CheckpointManager:
         self._set_pinned(step, False)
 
     def _set_pinned(self, step: int, pinned: bool) -> None:
+        """Collective: rank 0 changes the record; every rank returns or raises the same."""
         self._check_open()
-        step = _validate_step(step)
-        if not self._parts.is_leader:
-            return
-        entry = self._view.get(step)
-        in_flight = self._view.pin_jobs(step, pinned)
-        if entry is None and not in_flight:
-            raise CheckpointNotFoundError(
-                f"there is no checkpoint of step {step} in {self.root} to "
-                f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",
-                step=step,
-                path=str(self.root),
-            )
-        if entry is not None:
-            assert self._lock is not None
-            record = amend_record(entry.path, self._lock, self._ops, pinned=pinned)
-            self._view.update(Committed(entry.path, record))
+        what = f"{'pin' if pinned else 'unpin'}({step})"
+        error: BaseException | None = None
+        if self._parts.is_leader:
+            try:
+                self._set_pinned_here(_validate_step(step), pinned)
+            except Exception as e:
+                error = e
+        self._parts.agree(error, self._parts.control, what=what)
+        self._share_view(self._parts.control, what=what)
+
+    def _set_pinned_here(self, step: int, pinned: bool) -> None:
+        self._ensure_writer()
+        assert self._lock is not None
+        with self._lock:  # the commit of this step holds it too: a pin never falls between
+            entry = self._view.get(step)
+            in_flight = self._view.pin_jobs(step, pinned)
+            if entry is None and not in_flight:
+                raise CheckpointNotFoundError(
+                    f"there is no checkpoint of step {step} in {self.root} to "
+                    f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",
+                    step=step,
+                    path=str(self.root),
+                )
+            if entry is not None:
+                record = amend_record(entry.path, self._lock, self._ops, pinned=pinned)
+                self._view.update(Committed(entry.path, record))
         if not pinned:
             self._prune()
 
@@ -603,7 +480,59 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[CheckpointStatus]:
         """Committed and in-flight checkpoints, by step, with why each is kept (rank 0)."""
-        return self._view.statuses(self.retention)
+        return self._view.statuses(self._policy)
+
+    # --- the training loop -----------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step`` (steps completed) now; the same answer on every rank.
+
+        True when the schedule says so, or once after a preemption signal on any
+        rank (then :attr:`preempted` is True: save, and leave the loop). Step
+        rules need no agreement; the ``every_seconds`` clock is rank 0's, and
+        signals count on every rank, which takes one small collective over the
+        manager's control group per call: call it on every rank, once per step.
+        """
+        with self._api_lock:  # its collective must not overlap a close() from another thread
+            return self._should_save(step)
+
+    def _should_save(self, step: int) -> bool:
+        self._check_open()
+        step = _validate_step(step)
+        schedule = self.schedule
+        due = schedule is not None and schedule.due_at_step(step)
+        timed = schedule is not None and schedule.timed
+        if not (timed or self._signals.signals):
+            return due
+        mine = self._signals.take()
+        clock = bool(
+            timed
+            and self._parts.is_leader
+            and schedule is not None
+            and schedule.due_by_time(time.monotonic() - self._last_save)
+        )
+        gathered = self._parts.gather((mine, clock), self._parts.control, what=f"should_save({step})")
+        received = [(rank, sig) for rank, (sig, _) in enumerate(gathered) if sig is not None]
+        if received:
+            if self._preempted_by is None:
+                self._preempted_by = received[0][1]
+            logger.warning(
+                "safeckpt: %s; saving step %d, then the loop should stop",
+                ", ".join(f"rank {r} received {signal_name(sig)}" for r, sig in received),
+                step,
+            )
+            return True
+        return due or bool(gathered[0][1])
+
+    @property
+    def preempted(self) -> bool:
+        """True once :meth:`should_save` has seen a preemption signal (on any rank); same on every rank."""
+        return self._preempted_by is not None
+
+    @property
+    def preemption_signal(self) -> int | None:
+        """The signal that preempted the run (the lowest rank's), or None: exit with ``128 +`` it."""
+        return self._preempted_by
 
     # --- restoring ------------------------------------------------------------------
 
@@ -614,44 +543,77 @@ class CheckpointManager:
         step: int | None = None,
         path: str | os.PathLike[str] | None = None,
         strict: bool = True,
-    ) -> int:
-        """Load a checkpoint into ``state`` in place; return its step (0 if there is none).
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> Restored:
+        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
+
+        The :class:`Restored` result carries the step, path, metrics, extra and
+        record; it is falsy (``.step is None``) when there was nothing to restore,
+        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
 
         With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
         is committed and complete, else the newest complete one (with a warning);
-        0 and ``state`` untouched when there is none. An explicit ``step`` or
+        nothing, and ``state`` untouched, when there is none. An explicit ``step`` or
         ``path`` is loaded as is, or raises if it is missing or broken. Rank 0
         decides which checkpoint, and every rank loads that one. ``strict``: every
-        key of ``state`` must be in the checkpoint.
+        key of ``state`` must be in the checkpoint and vice versa (else the result
+        lists what did not match). ``include``/``exclude``: dotted paths
+        (``"model"``, ``"optim.state"``) to load only, or to leave out (RNG states
+        are then left alone); see ``docs/state.md``.
         """
         self._check_open()
         parts = self._parts
-        choice: tuple[str, dict[str, Any]] | None = None
-        error: BaseException | None = None
-        if parts.is_leader:
+        auto = step is None and path is None
+        excluded: set[int] = set()
+        while True:
+            choice = self._choose(_validate_or_none(step), path, excluded)
+            if choice is None:
+                logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
+                return Restored()
+            directory, record = choice
+            what = f"restore of step {record.step}"
+            # Each rank checks its own files first, so one rank's damaged file is the same error on
+            # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+            own = _attempt(check_own_files, directory, record, parts.rank)
+            if self._skip_or_raise(own, what, record, auto):
+                excluded.add(record.step)
+                continue
+            report: Any = None
+            load_error: BaseException | None = None
             try:
-                found = choose_checkpoint(self._layout, _validate_or_none(step), path)
-                choice = None if found is None else (str(found[0]), found[1].to_json())
-            except Exception as e:
-                error = e
-        choice, error = parts.broadcast(
-            (choice, _portable(error)), parts.control, what="choosing the checkpoint to restore"
-        )
-        if error is not None:
-            raise error
-        if choice is None:
-            logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
-            return 0
-        directory, record_json = Path(choice[0]), choice[1]
-        record = Record.from_json(record_json, path=str(directory))
-        load_error: BaseException | None = None
-        try:
-            load_checkpoint(state, directory, record, parts, strict=strict, with_rng=self.save_rng)
-        except _WRITE_ERRORS as e:
-            load_error = e
-        self._conclude(load_error, what=f"restore of step {record.step}", step=record.step)
-        logger.info("safeckpt: restored step %d from %s", record.step, directory)
-        return record.step
+                report = load_checkpoint(
+                    state,
+                    directory,
+                    record,
+                    parts,
+                    strict=strict,
+                    with_rng=self.save_rng,
+                    include=include,
+                    exclude=exclude,
+                )
+            except _WRITE_ERRORS as e:
+                load_error = e
+            if self._skip_or_raise(load_error, what, record, auto):
+                excluded.add(record.step)
+                continue
+            self._conclude(None, what=what, step=record.step)
+            logger.info("safeckpt: restored step %d from %s", record.step, directory)
+            return Restored.from_record(
+                record,
+                directory,
+                missing=tuple(getattr(report, "missing", ())),
+                unexpected=tuple(getattr(report, "unexpected", ())),
+            )
+
+    def load(self, step: int | None = None) -> dict[Any, Any]:
+        """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
+
+        See :func:`safeckpt.load`. Not collective: each rank that calls it reads
+        the whole checkpoint.
+        """
+        self._check_open()
+        return load_state(self.root, step=_validate_or_none(step))
 
     # --- exit ---------------------------------------------------------------------
 
@@ -664,6 +626,12 @@ class CheckpointManager:
             self.root,
         )
         self._writer.wait_idle(timeout=self._parts.timeout)
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={value!r}: must be a positive number of seconds.")
+    return float(value)
 
 
 def _validate_step(step: Any) -> int:

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,12 +23,17 @@ from typing import Any
 
 from ._version import __version__
 from .atomic import atomic_write
-from .errors import IncompleteCheckpointError, InvalidSaveError
+from .errors import IncompleteCheckpointError, InvalidSaveError, UnsafeCheckpointError
 from .fileops import FileOps
+from .integrity import read_small
 from .layout import RECORD_NAME
 from .lock import SidecarLock
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_FLAT_NAME = re.compile(r"[^/\\\x00]+")
+_LATEST_SANE_TIME = 1e11  # year 5138: later is a damaged or forged record, and gmtime() overflows
+# A record is a few KiB, up to a few MiB with the checksums of 10^5 tensors; more is damage.
+MAX_RECORD_BYTES = 64 << 20
 COMMITTED = "committed"
 
 
@@ -48,56 +55,95 @@ class Record:
     library_version: str = __version__
     torch_version: str = ""
     format_version: int = FORMAT_VERSION
+    checksums: Mapping[str, Any] | None = None
+    """Per file, CRC32 segments covering it (see :mod:`safeckpt.integrity`); None in records written
+    before format 2, whose bytes cannot be verified."""
+    seq: int | None = None
+    """The commit sequence: commits are ordered by it, never by step or mtime (None before format 2)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
             "step": self.step,
             "status": self.status,
+            "seq": self.seq,
             "time": self.time,
             "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)),
-            "metrics": dict(self.metrics),
+            "metrics": {k: encode_float(v) for k, v in self.metrics.items()},
             "files": dict(sorted(self.files.items())),
             "world_size": self.world_size,
             "pinned": self.pinned,
-            "extra": dict(self.extra),
+            "extra": encode_json(dict(self.extra)),
             "registration": None if self.registration is None else dict(self.registration),
             "retention": None if self.retention is None else dict(self.retention),
             "library_version": self.library_version,
             "torch_version": self.torch_version,
+            "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, path: str = "") -> Record:
+    def from_json(cls, data: Any, *, path: str = "", step: int | None = None) -> Record:
+        """Parse and validate a record; ``step``: the step its directory's name stands for.
+
+        Everything is checked before it is used (a record is untrusted input): types, a finite
+        time, file names inside the checkpoint, and that the step is the directory's.
+        """
         try:
             if not isinstance(data, dict):
                 raise TypeError("not a JSON object")
             files = data["files"]
             if not isinstance(files, dict) or not all(
-                isinstance(k, str) and isinstance(v, int) for k, v in files.items()
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in files.items()
             ):
                 raise TypeError("'files' must map names to sizes")
-            return cls(
+            for name in files:
+                if not _FLAT_NAME.fullmatch(name) or name in (".", ".."):
+                    raise UnsafeCheckpointError(
+                        f"the record {path} lists the file {name!r}, which is not inside the "
+                        "checkpoint; the record was modified. Restore another checkpoint.",
+                        path=path,
+                    )
+            record_time = data["time"]
+            if isinstance(record_time, bool) or not isinstance(record_time, (int, float)):
+                raise TypeError("'time' must be a number")
+            if not 0 <= record_time < _LATEST_SANE_TIME:
+                raise ValueError(f"'time' {record_time!r} is not a time a checkpoint was written at")
+            checksums = _optional_dict(data.get("checksums"))
+            if checksums is not None and set(checksums) != set(files):
+                raise ValueError("'checksums' must cover exactly the files the record lists")
+            seq = data.get("seq")
+            record = cls(
                 step=_int(data["step"]),
-                time=float(data["time"]),
+                time=float(record_time),
                 files=files,
-                status=str(data["status"]),
+                status=_str(data["status"]),
                 metrics=_metrics(data.get("metrics") or {}),
-                extra=dict(data.get("extra") or {}),
+                extra=_dict(decode_json(data.get("extra") or {})),
                 world_size=_int(data.get("world_size", 1)),
-                pinned=bool(data.get("pinned", False)),
-                registration=data.get("registration"),
+                pinned=_bool(data.get("pinned", False)),
+                registration=_optional_dict(data.get("registration")),
                 retention=_optional_dict(data.get("retention")),
                 library_version=str(data.get("library_version", "")),
                 torch_version=str(data.get("torch_version", "")),
-                format_version=_int(data.get("format_version", FORMAT_VERSION)),
+                format_version=_int(data.get("format_version", 1)),
+                checksums=checksums,
+                seq=None if seq is None else _int(seq),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(
-                f"the record {path} is not a valid safeckpt record ({e}); the checkpoint "
-                "cannot be trusted. Restore another step, or delete this directory.",
+                f"the record {path} is not a valid safeckpt record ({type(e).__name__}: {e}); the "
+                "checkpoint cannot be trusted. Restore another step, or delete this directory.",
                 path=path,
             ) from e
+        if step is not None and record.step != step:
+            raise IncompleteCheckpointError(
+                f"the record {path} says step {record.step}, but its directory is step {step}; it "
+                "was copied or edited. Restore another step.",
+                path=path,
+                step=step,
+            )
+        return record
 
     @property
     def committed(self) -> bool:
@@ -110,12 +156,65 @@ class Record:
 
 def _metrics(value: Any) -> dict[str, float | None]:
     # Retention compares these numbers: a hand-edited string here must not reach it.
-    if not isinstance(value, dict) or not all(
+    if not isinstance(value, dict):
+        raise TypeError("'metrics' must map names to numbers or null")
+    decoded = {k: decode_json(v) for k, v in value.items()}
+    if not all(
         isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
-        for k, v in value.items()
+        for k, v in decoded.items()
     ):
         raise TypeError("'metrics' must map names to numbers or null")
-    return dict(value)
+    return decoded
+
+
+# Strict JSON has no NaN or Infinity: a non-finite float is written as {"$float": "inf"}.
+_FLOAT_TAG = "$float"
+_NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def encode_float(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    return value
+
+
+def encode_json(value: Any) -> Any:
+    """``value`` with every non-finite float spelled as strict JSON (see :func:`decode_json`)."""
+    if isinstance(value, float):
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {k: encode_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_json(v) for v in value]
+    return value
+
+
+def decode_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and _FLOAT_TAG in value and value[_FLOAT_TAG] in _NON_FINITE:
+            return _NON_FINITE[value[_FLOAT_TAG]]
+        return {k: decode_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_json(v) for v in value]
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, got {value!r}")
+    return value
 
 
 def _optional_dict(value: Any) -> dict[str, Any] | None:
@@ -131,28 +230,34 @@ def _int(value: Any) -> int:
 
 
 def encode(record: Record) -> bytes:
-    return (json.dumps(record.to_json(), indent=2, allow_nan=True) + "\n").encode()
+    return (json.dumps(record.to_json(), indent=2, allow_nan=False) + "\n").encode()
 
 
-def read_record(checkpoint_dir: Path) -> Record | None:
+def read_record(checkpoint_dir: Path, *, step: int | None = None) -> Record | None:
     """The record of ``checkpoint_dir``; None when it has none.
 
     Raises :class:`IncompleteCheckpointError` when the record exists but cannot
-    be parsed. Takes no lock: records are replaced atomically.
+    be parsed or validated (``step``: the step the directory stands for), and
+    :class:`UnsafeCheckpointError` when it is not a regular file or names files
+    outside the checkpoint. Takes no lock: records are replaced atomically.
     """
     path = checkpoint_dir / RECORD_NAME
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        raw = read_small(path, limit=MAX_RECORD_BYTES, what="record")
+    except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as e:
         raise IncompleteCheckpointError(
             f"the record {path} is not valid JSON ({e}); restore another step, or delete this directory.",
             path=str(path),
         ) from e
-    return Record.from_json(data, path=str(path))
+    return Record.from_json(data, path=str(path), step=step)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def write_record(checkpoint_dir: Path, record: Record, lock: SidecarLock, ops: FileOps) -> None:
@@ -181,30 +286,46 @@ _TRANSIENT_PREFIXES = (".nfs", ".fuse_hidden")
 
 
 def list_files(checkpoint_dir: Path) -> dict[str, int]:
-    """Every file under ``checkpoint_dir`` except the record and NFS silly-rename files, with sizes."""
+    """Every regular file in ``checkpoint_dir`` except the record and NFS silly-rename files, with sizes.
+
+    A checkpoint is flat (DCP with one file per rank, the train-state files): a
+    directory or link inside one is not part of it.
+    """
     files: dict[str, int] = {}
-    for dirpath, _dirnames, filenames in os.walk(checkpoint_dir):
-        for name in filenames:
-            if name.startswith(_TRANSIENT_PREFIXES):
+    with os.scandir(checkpoint_dir) as entries:
+        for entry in entries:
+            name = entry.name
+            if name == RECORD_NAME or name.startswith(_TRANSIENT_PREFIXES) or _is_temp_name(name):
                 continue
-            full = Path(dirpath) / name
-            rel = full.relative_to(checkpoint_dir).as_posix()
-            if rel != RECORD_NAME:
-                files[rel] = full.stat().st_size
+            if entry.is_file(follow_symlinks=False):
+                files[name] = entry.stat(follow_symlinks=False).st_size
     return files
 
 
+_TEMP_NAME = re.compile(r"^\..+\.tmp\.[0-9a-f]{12}$|^\.metadata\.tmp$")
+
+
+def _is_temp_name(name: str) -> bool:
+    """A temp file of safeckpt's atomic writes (``.<name>.tmp.<token>``) or DCP's ``.metadata.tmp``."""
+    return _TEMP_NAME.match(name) is not None
+
+
 def missing_or_wrong_files(checkpoint_dir: Path, record: Record) -> list[str]:
-    """What makes ``checkpoint_dir`` disagree with its record; empty when complete."""
+    """What makes ``checkpoint_dir`` disagree with its record; empty when complete.
+
+    Stats only (``lstat``): a FIFO or a link where a file should be is a problem, never a hang.
+    """
     problems = []
     for rel, size in sorted(record.files.items()):
         try:
-            actual = (checkpoint_dir / rel).stat().st_size
+            info = os.lstat(checkpoint_dir / rel)
         except (FileNotFoundError, NotADirectoryError):
             problems.append(f"{rel} is missing")
             continue
-        if actual != size:
-            problems.append(f"{rel} has {actual} bytes, the record says {size}")
+        if not stat.S_ISREG(info.st_mode):
+            problems.append(f"{rel} is not a regular file")
+        elif info.st_size != size:
+            problems.append(f"{rel} has {info.st_size} bytes, the record says {size}")
     return problems
 
 

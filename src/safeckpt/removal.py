@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,8 +135,10 @@ class Deleter:
         ops: FileOps,
         *,
         retry_interval: float = 1.0,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self._layout = layout
+        self._on_idle = on_idle  # the owner's heartbeat rides on this thread
         self._lock = lock
         self._ops = ops
         self._retry_interval = retry_interval
@@ -217,6 +219,8 @@ class Deleter:
             if self._stop.is_set():
                 return
             try:
+                if self._on_idle is not None:
+                    self._on_idle()
                 if self._layout.trash_entries():
                     self.run_pass()
             except Exception:  # pruning never fails training

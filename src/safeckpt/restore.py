@@ -8,49 +8,49 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Collection, Iterable, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dcp_io
-from .atomic import read_pointer
+from .catalog import scan
 from .distributed import Participants
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsupportedStateError,
 )
+from .integrity import read_verified
 from .layout import Layout, parse_step_dirname
+from .legacy_state import load_legacy
+from .loading import LoadPlan, LoadReport, Selection
 from .record import Record, missing_or_wrong_files, read_record
-from .state import (
-    apply_targets,
-    apply_train_state,
-    dcp_keys,
-    load_targets,
-    read_train_state,
-    restore_rng,
-    train_state_filename,
-)
+from .state import nest_for_dcp
+from .train_state import Legacy, read_tree, restore_rng, train_state_filename
 
 logger = logging.getLogger(__name__)
 
 
-def verify_checkpoint(directory: Path) -> Record:
+def verify_checkpoint(directory: Path, *, step: int | None = None) -> Record:
     """The record of a committed, complete checkpoint at ``directory``; raises otherwise.
 
-    Complete: every file the record lists exists with its recorded size, and
-    DCP's ``.metadata`` reads through the restricted unpickler.
+    Complete: its record is valid (and of ``step``, when the directory stands
+    for one), every file the record lists is a regular file of its recorded
+    size, and DCP's ``.metadata`` matches its checksum, reads through the
+    restricted unpickler and names only files of this checkpoint. Reads no
+    tensor data: those bytes are verified as they load.
     """
     if not directory.is_dir():
         raise CheckpointNotFoundError(
             f"there is no checkpoint at {directory}.",
             path=str(directory),
-            step=parse_step_dirname(directory.name),
+            step=parse_step_dirname(directory.name) if step is None else step,
         )
-    record = read_record(directory)
+    record = read_record(directory, step=step if step is not None else parse_step_dirname(directory.name))
     if record is None or not record.committed:
         raise IncompleteCheckpointError(
             f"{directory} is not a committed checkpoint (it has no committed record): it may be "
@@ -65,103 +65,191 @@ def verify_checkpoint(directory: Path) -> Record:
             path=str(directory),
             step=record.step,
         )
-    dcp_io.read_metadata(directory)
+    dcp_io.read_metadata(directory, record=record)
     return record
 
 
+# Damage that auto-resume steps over (to the previous commit); a checkpoint that asks to run
+# code or read outside itself is never stepped over silently: it raises.
+SKIPPABLE = (CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError)
+
+
+def check_own_files(directory: Path, record: Record, rank: int) -> None:
+    """Every rank, before the collective load: the files as this rank sees them match the record,
+    and the train-state file it will read matches its checksum."""
+    problems = missing_or_wrong_files(directory, record)
+    if problems:
+        raise IncompleteCheckpointError(
+            f"{directory} does not match its record here: {'; '.join(problems[:5])}. Restore another "
+            "step.",
+            path=str(directory),
+            step=record.step,
+        )
+    name = train_state_filename(rank)
+    if name not in record.files:
+        name = train_state_filename(0)
+    checksums = dcp_io.checksums_of(record, directory)
+    if name in record.files:
+        read_verified(
+            directory / name,
+            size=record.files[name],
+            checksum=None if checksums is None else checksums.get(name),
+            step=record.step,
+        )
+
+
 def choose_checkpoint(
-    layout: Layout, step: int | None, path: str | os.PathLike[str] | None
+    layout: Layout,
+    step: int | None,
+    path: str | os.PathLike[str] | None,
+    *,
+    exclude: Collection[int] = (),
 ) -> tuple[Path, Record] | None:
     """Rank 0: the checkpoint to restore, or None for a fresh start.
 
     An explicit ``path`` or ``step`` is verified and returned, or raises. Else
-    the one ``latest`` names if it is whole, else the newest whole one (with a
-    warning). A checkpoint that asks to run code raises even then.
+    the most recent commit (by the records' commit sequence, which a rollback
+    with ``overwrite=True`` respects) that is whole, skipping damaged ones and
+    ``exclude`` with a warning. ``latest`` is not consulted: it only mirrors
+    the newest commit and may lag it by a crash.
     """
     if path is not None and step is not None:
         raise ConfigError("restore(): pass step= or path=, not both.")
     if path is not None:
         directory = Path(path).absolute()
         return directory, verify_checkpoint(directory)
+    catalog = scan(layout.root)
     if step is not None:
-        directory = layout.step_dir(step)
-        return directory, verify_checkpoint(directory)
-    candidates = sorted((s for s, _ in layout.committed_dirs()), reverse=True)
-    name = read_pointer(layout.latest_path)
-    latest = parse_step_dirname(name) if name else None
-    if latest is not None:
-        candidates = [latest] + [s for s in candidates if s != latest]
-    elif candidates:
-        logger.warning(
-            "safeckpt: %s has checkpoints but `latest` is %s; using the newest complete one",
-            layout.root,
-            "missing" if name is None else f"unreadable ({name!r})",
-        )
-    for candidate in candidates:
-        directory = layout.step_dir(candidate)
-        try:
-            record = verify_checkpoint(directory)
-        except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
-            logger.warning("safeckpt: skipping step %d: %s", candidate, e)
+        entry = catalog.committed.get(step)
+        directory = entry.path if entry is not None else layout.step_dir(step)
+        return directory, verify_checkpoint(directory, step=step)
+    skipped = []
+    for entry in catalog.newest_first():
+        if entry.step in exclude:
             continue
-        if candidate != latest and latest is not None:
+        try:
+            record = verify_checkpoint(entry.path, step=entry.step)
+        except SKIPPABLE as e:
+            logger.warning("safeckpt: skipping step %d: %s", entry.step, e)
+            skipped.append(entry.step)
+            continue
+        if skipped or exclude:
             logger.warning(
-                "safeckpt: `latest` names step %d, which is not loadable; falling back to "
-                "step %d, the newest complete checkpoint",
-                latest,
-                candidate,
+                "safeckpt: falling back to step %d: the newer checkpoint(s) %s cannot be loaded",
+                entry.step,
+                sorted(set(skipped) | set(exclude)),
             )
-        return directory, record
+        return entry.path, record
+    for entry in catalog.entries:
+        if not entry.committed and entry.step not in exclude:
+            logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
 
 
 def load_checkpoint(
-    state: MutableMapping[str, Any],
+    state: MutableMapping[Any, Any],
     directory: Path,
     record: Record,
     parts: Participants,
     *,
     strict: bool,
     with_rng: bool,
-) -> None:
-    """Load ``directory`` into ``state`` in place (collective over ``parts.control``)."""
-    metadata = dcp_io.read_metadata(directory)
-    saved_keys = {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
-    rank_file = directory / train_state_filename(parts.rank)
-    own_file = rank_file.exists()
-    if not own_file:
-        rank_file = directory / train_state_filename(0)
-        logger.warning(
-            "safeckpt: step %d was saved by %d rank(s); rank %d loads rank 0's training "
-            "state (data loader, scheduler) and keeps its own RNG state",
-            record.step,
-            record.world_size,
-            parts.rank,
+    include: Iterable[str] | None = None,
+    exclude: Iterable[str] | None = None,
+) -> LoadReport:
+    """Load ``directory`` into ``state`` in place; what was left alone. Collective over ``parts.control``.
+
+    All or nothing: the whole state is matched against the checkpoint first
+    (missing and unexpected paths, shapes, dtypes), and every rank agrees on
+    the outcome before DCP reads a byte or anything of ``state`` changes.
+    ``strict``: a missing or unexpected path raises, naming it; else it is
+    reported and logged. ``include``/``exclude``: dotted paths to load only
+    (``["model"]``) or to leave out (``["optim"]``); RNG states are restored
+    only when neither is given. Raises :class:`UnsupportedStateError` for a
+    value that cannot be loaded into what ``state`` holds.
+    """
+    selection = Selection(include, exclude)
+    error: BaseException | None = None
+    plan: LoadPlan | None = None
+    loaded: Any = None
+    tree: Any = None
+    rng: Any = None
+    try:
+        metadata = dcp_io.read_metadata(directory, record=record)
+        tree, rng = read_tree(directory, record, parts.rank)
+        if rng is None and record.world_size > 1:
+            logger.warning(
+                "safeckpt: step %d was saved by %d rank(s); rank %d loads the merged training state "
+                "of those ranks and keeps its own RNG state",
+                record.step,
+                record.world_size,
+                parts.rank,
+            )
+        if not isinstance(tree, Legacy):
+            plan = LoadPlan(metadata.state_dict_metadata, selection, state)
+            loaded = plan.mapping(state, tree)
+            _check_plan(plan, record, directory, strict=strict)
+    except Exception as e:
+        error = e
+    if error is None and isinstance(tree, Legacy):
+        missing = load_legacy(
+            state, directory, record, parts, tree.entries, strict=strict, wanted=selection.wanted
         )
-    train = read_train_state(rank_file)
-    entries = train["entries"]
-    wanted = set(dcp_keys(state))
-    missing = sorted((wanted - saved_keys) | {k for k in state if k not in wanted and k not in entries})
-    if missing and strict:
-        raise UnsupportedStateError(
-            f"step {record.step} in {directory} has no entry for {missing}, which the state "
-            "passed to restore() has. Restore with strict=False to load what is there and "
-            "leave these as they are.",
-            step=record.step,
-            path=str(directory),
-        )
-    targets = load_targets(state, wanted & saved_keys)
-    if targets.dcp:
+        if with_rng and selection.everything and rng is not None:
+            restore_rng(rng)
+        return LoadReport(missing=missing)
+    parts.agree(error, parts.control, what=f"matching step {record.step} against the state", step=record.step)
+    assert plan is not None
+    if plan.dcp or parts.distributed:  # collective: every rank takes part, even with nothing to read
         try:
-            dcp_io.load(targets.dcp, directory, parts.control)
+            dcp_io.load(nest_for_dcp(plan.dcp), directory, parts.control)
         except CheckpointException as e:
             raise IncompleteCheckpointError(
-                f"loading step {record.step} from {directory} failed: {e}. If the model or "
-                "optimizer changed shape since the save, restore into the original ones.",
+                f"loading step {record.step} from {directory} failed: {e}. Restore another step.",
                 step=record.step,
                 path=str(directory),
             ) from e
-        apply_targets(targets)
-    apply_train_state(state, entries)
-    if with_rng and own_file and train["rng"] is not None:
-        restore_rng(train["rng"])
+    plan.apply(state, loaded)
+    if with_rng and selection.everything and rng is not None:
+        restore_rng(rng)
+    return plan.report()
+
+
+def _check_plan(plan: LoadPlan, record: Record, directory: Path, *, strict: bool) -> None:
+    where = f"step {record.step} in {directory}"
+    if plan.damage:
+        raise IncompleteCheckpointError(
+            f"{where} is damaged: {'; '.join(plan.damage[:5])}. Restore another step.",
+            step=record.step,
+            path=str(directory),
+        )
+    if plan.problems:
+        raise UnsupportedStateError(
+            f"{where} cannot be loaded into this state: {'; '.join(plan.problems[:10])}"
+            f"{' (and more)' if len(plan.problems) > 10 else ''}. Restore into a state of the "
+            "saved shapes and dtypes (convert after loading), or leave these out with exclude=. "
+            "Nothing was changed.",
+            step=record.step,
+            path=str(directory),
+        )
+    if not (plan.missing or plan.unexpected):
+        return
+    parts = []
+    if plan.missing:
+        parts.append(f"the checkpoint lacks {_listing(plan.missing)}, which the state has")
+    if plan.unexpected:
+        parts.append(f"the checkpoint has {_listing(plan.unexpected)}, which the state lacks")
+    if strict:
+        raise UnsupportedStateError(
+            f"{where} does not match the state: {'; '.join(parts)}. Restore with strict=False to "
+            "load what matches (the result lists the rest), or choose parts with include=/exclude=. "
+            "Nothing was changed.",
+            step=record.step,
+            path=str(directory),
+        )
+    logger.warning("safeckpt: restoring %s with strict=False: %s", where, "; ".join(parts))
+
+
+def _listing(paths: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    return f"[{shown}{', ...' if len(paths) > limit else ''}] ({len(paths)})"

@@ -11,16 +11,61 @@ the other way round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import CheckpointError
 from .record import Record
 from .retention import CheckpointInfo, Policy, Retention, explain, plan_removals
-from .writer import CANCELLED, COMMITTED, QUEUED, WRITING, SaveJob
+from .writer import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, StagingPool, StagingSlot
+
+TERMINAL = (COMMITTED, CANCELLED, FAILED)
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One save, from ``save()`` to its outcome.
+
+    ``status`` changes only through :class:`SaveView` (under its lock), and a
+    job reaches exactly one terminal state: the first one it is given.
+    """
+
+    seq: int
+    step: int
+    staging_dir: Path
+    dcp_state: Any
+    train_state: bytes
+    metrics: Mapping[str, float | None]
+    extra: Mapping[str, Any]
+    time: float
+    pinned: bool = False
+    slot: StagingSlot | None = None
+    status: str = QUEUED
+    cancel_requested: bool = False
+    committed_here: bool = False  # rank 0 committed it (set by the commit itself)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def ended(self) -> bool:
+        return self.status in TERMINAL
+
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(self.step, self.metrics, self.time, self.pinned)
+
+    def release_staging(self, pool: StagingPool | None) -> None:
+        """Drop references to staged data and give the slot back (idempotent)."""
+        self.dcp_state = None
+        if self.slot is not None and pool is not None:
+            pool.release(self.slot)
+        self.slot = None
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +103,39 @@ class SaveView:
         self._latest: int | None = None
         self._jobs: list[SaveJob] = []  # queued and writing, in submission order
         self._failures: dict[int, CheckpointError] = {}  # seq -> error not raised yet
+        self._next_seq = 1  # commit sequence (records order commits by it)
         self._reported: set[int] = set()
 
     # --- committed checkpoints ---------------------------------------------------
 
-    def load(self, committed: Iterable[Committed], latest: int | None) -> None:
+    def load(self, committed: Iterable[Committed], latest: int | None, *, next_seq: int = 1) -> None:
         with self._lock:
             self._committed = {c.record.step: c for c in committed}
             self._latest = latest if latest in self._committed else None
+            self._next_seq = max(self._next_seq, next_seq)
+
+    def snapshot(self) -> tuple[list[Committed], int | None, int]:
+        """Committed checkpoints (records without their checksums), ``latest``, the next sequence."""
+        with self._lock:
+            committed = [
+                Committed(c.path, dataclasses.replace(c.record, checksums=None))
+                for c in self._committed.values()
+            ]
+            return committed, self._latest, self._next_seq
+
+    def load_snapshot(self, snapshot: tuple[list[Committed], int | None, int]) -> None:
+        committed, latest, next_seq = snapshot
+        with self._lock:
+            self._committed = {c.record.step: c for c in committed}
+            self._latest = latest
+            self._next_seq = next_seq
+
+    def take_seq(self) -> int:
+        """The commit sequence number of the commit about to happen (rank 0)."""
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            return seq
 
     @property
     def latest(self) -> int | None:
@@ -111,18 +181,29 @@ class SaveView:
     def start(self, job: SaveJob, cancel: bool) -> None:
         """The writer picked ``job`` up: it is cancelled (and leaves the view) or being written."""
         with self._lock:
+            if job.ended:
+                return
             job.status = CANCELLED if cancel else WRITING
             if cancel:
                 self._drop(job)
 
-    def finish(self, job: SaveJob, status: str, error: CheckpointError | None = None) -> None:
-        """``job`` left flight as ``status``; an ``error`` is kept until it is raised."""
+    def finish(self, job: SaveJob, status: str, error: BaseException | None = None) -> bool:
+        """``job`` left flight as ``status``; an ``error`` is kept until it is raised.
+
+        Only the first terminal state counts (a failure while cleaning up after
+        a failure does not end the job twice); returns whether this one did.
+        """
+        if status not in TERMINAL:
+            raise ValueError(f"not a terminal state: {status!r}")
         with self._lock:
+            if job.ended:
+                return False
             job.status = status
             job.error = error
             self._drop(job)
             if error is not None and job.seq not in self._reported:
-                self._failures[job.seq] = error
+                self._failures[job.seq] = error  # type: ignore[assignment]
+            return True
 
     def pin_jobs(self, step: int, pinned: bool) -> bool:
         """Pin (or unpin) the saves of ``step`` in flight; whether there were any."""
@@ -173,7 +254,9 @@ class SaveView:
                 protected.add(self._latest)
             drop = plan_removals(list(infos.values()), policy, protected)
             marked = [
-                j for j in self._jobs if j.status == QUEUED and j.step in drop and not j.cancel_requested
+                j
+                for j in self._jobs
+                if j.status == QUEUED and j.step in drop and not j.cancel_requested and not j.pinned
             ]
             for job in marked:
                 job.cancel_requested = True
@@ -192,7 +275,7 @@ class SaveView:
                 protected.add(self._latest)
             return plan_removals(infos, policy, protected)
 
-    def statuses(self, retention: Retention) -> list[CheckpointStatus]:
+    def statuses(self, retention: Retention | Policy) -> list[CheckpointStatus]:
         """Committed and in-flight checkpoints, by step, with why each is kept."""
         with self._lock:
             committed = dict(self._committed)

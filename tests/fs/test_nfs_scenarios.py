@@ -275,7 +275,7 @@ def test_amending_a_record_that_another_process_has_open_is_atomic(
     assert not [p for p in os.listdir(root / "step_1") if p.startswith(".nfs")]
     fresh = toy.make_state(seed=99)
     with CheckpointManager(root, async_save=False) as again:
-        assert again.restore(fresh, step=1) == 1
+        assert again.restore(fresh, step=1).step == 1
 
 
 # --- resuming over NFS leftovers ------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_resume_with_nfs_leftovers_and_trash_restores_the_newest_and_collects_th
 
     resumed = toy.make_state(seed=1)
     mgr = CheckpointManager(root, async_save=False, retention=Retention(keep_last=2))
-    assert mgr.restore(resumed) == 3
+    assert mgr.restore(resumed).step == 3
     assert toy.same_weights(toy.weights(resumed), saved)
     assert os.listdir(root / ".staging") == []  # the interrupted save went to the trash
     assert len(trash(root)) == 2
@@ -345,7 +345,7 @@ def test_save_restore_and_prune_on_each_filesystem(root_dir: Path, async_save: b
     assert trash(root_dir) == []
     fresh = toy.make_state(seed=3)
     with CheckpointManager(root_dir, async_save=async_save) as mgr:
-        assert mgr.restore(fresh) == 5
+        assert mgr.restore(fresh).step == 5
     assert toy.same_weights(toy.weights(fresh), saved)
 
 
@@ -366,7 +366,7 @@ def test_resaving_a_step_on_nfs_replaces_it_with_two_renames_while_its_files_are
     mgr.save(1, state)  # no RENAME_EXCHANGE here: old copy aside, new copy in, old copy to the trash
     saved = toy.weights(state)
     fresh = toy.make_state(seed=5)
-    assert mgr.restore(fresh) == 1
+    assert mgr.restore(fresh).step == 1
     assert toy.same_weights(toy.weights(fresh), saved)
     assert not [name for name in trash(root) if ".replaced." in name]  # the replacement finished
     hold.release()

@@ -1,0 +1,351 @@
+"""One tensor as a ``torch.save`` archive: written straight from the tensor's memory, read back
+record by record (its ``data.pkl`` through torch's weights-only unpickler, its bytes into their
+destination). The zip container itself is :mod:`safeckpt.zipformat`'s.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from .integrity import crc32
+from .zipformat import (
+    _DESCRIPTOR,
+    _LOCAL,
+    _SIG_LOCAL,
+    _central_directory,
+    _data_offset,
+    _descriptor_size,
+    _Member,
+    _parse_directory,
+    _write_directory,
+    _write_record,
+)
+
+logger = logging.getLogger("safeckpt.storage")
+
+try:  # private: the per-entry location DCP pickles into .metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+except ImportError:  # pragma: no cover - every torch >= 2.0 has them
+    _StorageInfo = _StoragePrefix = None  # type: ignore[assignment,misc]
+
+try:  # private: the pickling half of torch.save, which takes any writer with write_record()
+    from torch.serialization import _save as _torch_save_records
+except ImportError:  # pragma: no cover
+    _torch_save_records = None  # type: ignore[assignment]
+
+try:  # private: the unpickler torch.load(weights_only=True) uses
+    from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
+except ImportError:  # pragma: no cover
+    _WeightsOnlyUnpickler = None  # type: ignore[assignment,misc]
+
+_WINDOW = 4096  # bytes read at each end of a tensor archive: its headers, data.pkl, its directory
+
+
+def raw_path_available() -> bool:
+    """Whether the fast path works with this torch (else DCP's own code runs).
+
+    It needs three private helpers, and a probe must show that an archive it
+    writes is what ``torch.load`` reads back and what its own reader parses.
+    """
+    helpers = (_StorageInfo, _StoragePrefix, _torch_save_records, _WeightsOnlyUnpickler)
+    return None not in helpers and _version_record() is not None
+
+
+_version_lock = threading.Lock()
+
+
+_version_cache: list[bytes | None] = []
+
+
+def _version_record() -> bytes | None:
+    """The ``version`` record ``torch.save`` writes for a tensor (None: the probe failed)."""
+    with _version_lock:
+        if not _version_cache:
+            _version_cache.append(_probe())
+        return _version_cache[0]
+
+
+def _probe() -> bytes | None:
+    """Learn the ``version`` record from torch itself, then round-trip one archive of ours."""
+    if None in (_torch_save_records, _WeightsOnlyUnpickler):
+        return None
+    try:
+        theirs = io.BytesIO()
+        torch.save(torch.zeros(1), theirs)
+        entries = _central_directory(theirs.getvalue())
+        entry = next(e for name, e in entries.items() if name.endswith("/version"))
+        version = theirs.getvalue()[_data_offset(theirs.getvalue(), entry) :][: entry.size]
+        tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        ours = io.BytesIO()
+        _ArchiveWriter(version=version).write(ours, tensor)
+        if not torch.equal(torch.load(io.BytesIO(ours.getvalue()), weights_only=True), tensor):
+            raise ValueError("torch.load read back other values")
+        pickled = _central_directory(ours.getvalue())["archive/data.pkl"]
+        layout = _read_layout(ours.getvalue()[_data_offset(ours.getvalue(), pickled) :][: pickled.size])
+        if layout.tensor.shape != tensor.shape or layout.dtype != tensor.dtype:
+            raise ValueError("data.pkl parsed to another layout")
+        return version
+    except Exception as e:  # an unexpected torch.save layout or helper signature: DCP's own path
+        logger.warning("safeckpt: fast DCP storage disabled on torch %s (%s)", torch.__version__, e)
+        return None
+
+
+class _Records:
+    """Takes the place of torch's ``PyTorchFileWriter`` in ``torch.serialization._save``."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, memoryview]] = []
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if isinstance(data, str):
+            view = memoryview(data.encode())
+        elif isinstance(data, torch.UntypedStorage):
+            view = _bytes_of(torch.empty(0, dtype=torch.uint8).set_(data))
+        else:
+            view = memoryview(data).cast("B")
+        if len(view) != nbytes:
+            raise ValueError(f"record {name}: {len(view)} bytes, torch said {nbytes}")
+        self.records.append((name, view))
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:
+        raise NotImplementedError("torch.serialization.skip_data() is not supported here")
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class _ArchiveWriter:
+    """Writes tensors as ``torch.save`` archives.
+
+    ``data.pkl`` of a layout seen before (the layers of a model repeat their
+    shapes) is reused rather than pickled again. One writer per thread.
+    """
+
+    def __init__(self, *, version: bytes | None = None) -> None:
+        self._version = version
+        self._pickled: dict[tuple[Any, ...], list[tuple[str, bytes | None]]] = {}
+
+    def write(self, stream: IO[bytes], tensor: torch.Tensor) -> int:
+        """Write ``tensor`` at the stream's position; return the archive's length.
+
+        ``tensor`` must be a CPU tensor that owns its whole storage, under 4 GiB.
+        """
+        version = self._version or _version_record()
+        assert version is not None
+        serialization_id = f"{secrets.randbits(128):040d}".encode()  # 40 digits, as torch writes
+        records = [*self._records(tensor), ("version", memoryview(version))]
+        records.append((".data/serialization_id", memoryview(serialization_id)))
+        start = stream.tell()
+        entries = [_write_record(stream, start, f"archive/{name}".encode(), data) for name, data in records]
+        _write_directory(stream, start, entries)
+        return stream.tell() - start
+
+    def _records(self, tensor: torch.Tensor) -> list[tuple[str, memoryview]]:
+        """What ``torch.serialization._save`` writes for ``tensor``: data.pkl, markers, the storage."""
+        key = _layout_key(tensor)
+        cached = self._pickled.get(key) if key is not None else None
+        if cached is None:
+            assert _torch_save_records is not None
+            recorder = _Records()
+            _torch_save_records(tensor, recorder, pickle, 2, False)
+            if key is not None:
+                self._pickled[key] = [
+                    (name, None if name.startswith("data/") else bytes(data))
+                    for name, data in recorder.records
+                ]
+            return recorder.records
+        storage = _bytes_of(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
+        return [(name, storage if data is None else memoryview(data)) for name, data in cached]
+
+
+def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What ``data.pkl`` of a plain dense tensor depends on; None where more may matter."""
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.requires_grad
+        or tensor.layout != torch.strided
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or any(name is not None for name in getattr(tensor, "names", ()))  # named tensors (older torch)
+        or tensor.__dict__
+    ):
+        return None
+    nbytes = tensor.untyped_storage().nbytes()
+    return (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), nbytes)
+
+
+def write_tensor_archive(stream: IO[bytes], tensor: torch.Tensor) -> int:
+    """Write ``tensor`` as ``torch.save`` would, at the stream's position; return the archive's length.
+
+    ``tensor`` must be a CPU tensor that owns its whole storage, under 4 GiB, and
+    :func:`raw_path_available` must be true.
+    """
+    return _ArchiveWriter().write(stream, tensor)
+
+
+@dataclass(frozen=True)
+class _Record:
+    """Where one record's data lies in its archive."""
+
+    header: int  # offset of its local header, from the archive's start
+    start: int  # offset of its data
+    size: int
+
+
+class _Archive:
+    """One tensor's ``torch.save`` archive inside a ``.distcp`` file, read front to back.
+
+    Its first few KiB (the local headers, ``data.pkl``) come with one ``pread``;
+    the tensor's bytes go with ``preadv`` straight into their destination; the
+    central directory, which follows them, is read last to check where they were.
+    Reading the directory first would make every archive cost a seek to its end
+    and back, which on a cold cache is a synchronous disk read per tensor.
+    """
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self._fd, self._start, self._length = fd, start, length
+        self._head = self._pread(0, min(length, _WINDOW))
+        self._tail: tuple[int, bytes] | None = None
+        self._members: dict[str, _Member] | None = None
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        data = os.pread(self._fd, n, self._start + offset)
+        if len(data) != n:
+            raise EOFError("the checkpoint file is shorter than its metadata says")
+        return data
+
+    def _read(self, offset: int, n: int) -> bytes:
+        if offset < 0 or offset + n > self._length:
+            raise ValueError("read outside the archive")
+        if offset + n <= len(self._head):
+            return self._head[offset : offset + n]
+        return self._pread(offset, n)
+
+    def walk(self) -> dict[str, _Record]:
+        """The records whose local headers and sizes the head shows, in order.
+
+        A record with a data descriptor (torch.save writes all but empty ones
+        so) has no size in its header: the size is the ``k`` for which a
+        descriptor follows ``k`` bytes later and holds ``k`` and their CRC32.
+        """
+        found: dict[str, _Record] = {}
+        pos, head = 0, self._head
+        while pos + _LOCAL.size <= len(head):
+            fields = _LOCAL.unpack_from(head, pos)
+            if fields[0] != _SIG_LOCAL or fields[3] != 0:
+                break
+            name_end = pos + _LOCAL.size + fields[9]
+            start = name_end + fields[10]
+            name = head[pos + _LOCAL.size : name_end].decode("utf-8", "replace")
+            size = _descriptor_size(head, start) if fields[2] & 0x08 else fields[8]
+            if size is None:  # the data runs past the head: the tensor itself, or unknown
+                found[name] = _Record(pos, start, -1)
+                break
+            found[name] = _Record(pos, start, size)
+            pos = start + size + (_DESCRIPTOR.size if fields[2] & 0x08 else 0)
+        return found
+
+    def span(self, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of the archive, from what was read already where possible."""
+        if end <= len(self._head):
+            return self._head[begin:end]
+        if self._tail is not None and begin >= self._tail[0]:
+            tail_at, tail = self._tail
+            return tail[begin - tail_at : end - tail_at]
+        return self._pread(begin, end - begin)
+
+    def checksum(self, record: _Record, data: memoryview) -> int:
+        """CRC32 of the whole archive, with ``data`` as the bytes of ``record`` (read already)."""
+        crc = crc32(self.span(0, record.start))
+        crc = crc32(data, crc)
+        return crc32(self.span(record.start + record.size, self._length), crc)
+
+    def directory(self) -> dict[str, _Record]:
+        """Every record, from the central directory at the archive's end."""
+        if self._members is None:
+            tail_at = max(0, self._length - _WINDOW)
+            tail = self._pread(tail_at, self._length - tail_at)
+            self._tail = (tail_at, tail)
+
+            def read(offset: int, n: int) -> bytes:
+                if offset >= tail_at and offset + n <= self._length:
+                    return tail[offset - tail_at : offset - tail_at + n]
+                return self._read(offset, n)
+
+            self._members = _parse_directory(read, self._length)
+        return {name: self._record(m) for name, m in self._members.items() if m.method == 0}
+
+    def _record(self, member: _Member) -> _Record:
+        header = _LOCAL.unpack(self._read(member.offset, _LOCAL.size))
+        if header[0] != _SIG_LOCAL:
+            raise ValueError("bad local header")
+        start = member.offset + _LOCAL.size + header[9] + header[10]
+        if start + member.size > self._length:
+            raise ValueError("zip member out of bounds")
+        return _Record(member.offset, start, member.size)
+
+    def read(self, record: _Record) -> bytes:
+        return self._read(record.start, record.size)
+
+    def read_into(self, record: _Record, view: memoryview) -> None:
+        if len(view) != record.size or record.start + record.size > self._length:
+            raise ValueError("destination size differs from the stored tensor")
+        position = self._start + record.start
+        while view:
+            n = os.preadv(self._fd, [view], position)
+            if n == 0:
+                raise EOFError("the checkpoint file is shorter than its metadata says")
+            view, position = view[n:], position + n
+
+
+def _named(records: dict[str, _Record], name: str) -> _Record | None:
+    """The record ``<archive>/<name>`` (torch.save names the archive after the first entry)."""
+    prefix = next(iter(records), "").split("/", 1)[0]
+    return records.get(f"{prefix}/{name}")
+
+
+@dataclass
+class _Layout:
+    """What ``data.pkl`` says about a tensor, without its bytes (a meta tensor)."""
+
+    tensor: torch.Tensor  # on the meta device
+    key: str
+    dtype: torch.dtype
+    nbytes: int
+
+
+def _read_layout(pickled: bytes) -> _Layout:
+    """Unpickle ``data.pkl`` with torch's weights-only unpickler onto a meta storage."""
+    assert _WeightsOnlyUnpickler is not None
+    found: list[tuple[str, torch.dtype, int]] = []
+
+    def persistent_load(saved_id: Any) -> Any:
+        kind, storage_type, key, _location, numel = saved_id
+        if kind not in ("storage", b"storage") or found:
+            raise pickle.UnpicklingError("a DCP tensor archive holds exactly one storage")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        found.append((str(key), dtype, nbytes))
+        untyped = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    unpickler = _WeightsOnlyUnpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    tensor = unpickler.load()
+    if not isinstance(tensor, torch.Tensor) or len(found) != 1:
+        raise pickle.UnpicklingError("a DCP tensor archive holds one tensor")
+    key, _, nbytes = found[0]
+    # The tensor's dtype, not the storage's: float8 (and newer dtypes) are saved on an
+    # UntypedStorage, whose bytes must be reinterpreted, never cast from uint8.
+    return _Layout(tensor, key, tensor.dtype, nbytes)

@@ -1,0 +1,222 @@
+"""One writer per root: the owner record ``<root>/.owner``, under the sidecar lock.
+
+The protocol (also in ``docs/format.md``):
+
+* A manager's rank 0 *claims* the root when it opens it, if nobody else holds
+  it: no owner record, an owner that is dead, or one that has not saved
+  (``writing: false``). Only a claimant collects leftovers (staging, trash,
+  orphans) and repairs ``latest``. Where a live owner is writing, the manager
+  is a *reader*: it collects nothing and writes nothing, and can restore.
+* The first ``save()`` (or ``pin``) makes the claim a writing one. If another
+  live process is writing, it waits up to ``lock_timeout`` and then raises
+  :class:`RootInUseError`. It never touches that owner's staging or trash.
+* An owner is dead when it ran on this host and its process is gone (pid and
+  process start time checked), or, from another host, when its heartbeat is
+  older than ``stale_after``. The deleter thread refreshes the heartbeat.
+  A dead owner is taken over with a warning.
+* ``close()`` removes the record if it is still ours.
+
+On NFS across hosts, liveness rests on the heartbeat alone: a host whose
+clock runs far behind, or a job paused (SIGSTOP) for longer than
+``stale_after``, can be taken for dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_write
+from .errors import CheckpointError, RootInUseError
+from .fileops import FileOps
+from .integrity import read_small
+from .lock import SidecarLock
+
+logger = logging.getLogger(__name__)
+
+OWNER_NAME = ".owner"
+HEARTBEAT_EVERY = 10.0
+STALE_AFTER = 120.0
+_POLL = 0.25
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of ``pid``, to tell it from a later process with its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return not _zombie(pid)
+    # A killed process its parent has not waited for yet (a zombie) still answers kill(0),
+    # but it can write nothing more: it is dead.
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who holds a root's writes."""
+
+    host: str
+    pid: int
+    token: str
+    started: float
+    heartbeat: float
+    writing: bool
+    pid_start: int | None = None
+
+    def alive(self, *, stale_after: float = STALE_AFTER, now: float | None = None) -> bool:
+        """Whether the owner still runs (see the module doc for how that is decided)."""
+        if self.host == socket.gethostname():
+            if not _pid_alive(self.pid):
+                return False
+            current = _process_start(self.pid)
+            return self.pid_start is None or current is None or current == self.pid_start
+        return (time.time() if now is None else now) - self.heartbeat < stale_after
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        age = max(0.0, time.time() - self.heartbeat)
+        return f"pid {self.pid} on {self.host}, since {since}, last heartbeat {age:.0f} s ago"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Owner:
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        pid_start = data.get("pid_start")
+        return cls(
+            host=str(data["host"]),
+            pid=int(data["pid"]),
+            token=str(data["token"]),
+            started=float(data["started"]),
+            heartbeat=float(data["heartbeat"]),
+            writing=bool(data["writing"]),
+            pid_start=None if pid_start is None else int(pid_start),
+        )
+
+
+def read_owner(root: str | os.PathLike[str]) -> Owner | None:
+    """The owner record of ``root``, or None (none, or unreadable: then nobody can prove ownership)."""
+    try:
+        raw = read_small(Path(root) / OWNER_NAME, limit=64 << 10, what="owner record")
+        return Owner.from_json(json.loads(raw))
+    except (OSError, ValueError, TypeError, KeyError, CheckpointError):
+        return None
+
+
+class Ownership:
+    """This process's claim on one root. Every change holds the sidecar lock."""
+
+    def __init__(self, root: Path, lock: SidecarLock, ops: FileOps, *, stale_after: float = STALE_AFTER):
+        self._path = root / OWNER_NAME
+        self._root = root
+        self._lock = lock
+        self._ops = ops
+        self._stale_after = stale_after
+        self._token = uuid.uuid4().hex
+        self._started = time.time()
+        self._last_beat = 0.0
+        self.claimed = False
+        self.writing = False
+
+    def _record(self, writing: bool) -> Owner:
+        pid = os.getpid()
+        return Owner(
+            host=socket.gethostname(),
+            pid=pid,
+            token=self._token,
+            started=self._started,
+            heartbeat=time.time(),
+            writing=writing,
+            pid_start=_process_start(pid),
+        )
+
+    def _write(self, owner: Owner) -> None:
+        atomic_write(self._path, (json.dumps(owner.to_json()) + "\n").encode(), self._ops)
+        self._last_beat = time.monotonic()
+
+    def try_claim(self, *, writing: bool) -> bool:
+        """Claim the root now if nobody else holds it (see the module doc); whether it is ours."""
+        with self._lock:
+            current = read_owner(self._root)
+            other = current is not None and current.token != self._token
+            live = other and current is not None and current.alive(stale_after=self._stale_after)
+            if live and current is not None and (current.writing or not writing):
+                return False  # a live writer, or a live claimant while we only open
+            if current is not None and current.token != self._token and current.writing:
+                logger.warning(
+                    "safeckpt: taking over %s from a dead owner (%s)", self._root, current.describe()
+                )
+            self._write(self._record(writing))
+            self.claimed = True
+            self.writing = self.writing or writing
+            return True
+
+    def claim_for_writing(self, timeout: float) -> None:
+        """Make this process the root's writer, waiting up to ``timeout`` s for a live one to finish."""
+        deadline = time.monotonic() + timeout
+        while not self.try_claim(writing=True):
+            if time.monotonic() >= deadline:
+                owner = read_owner(self._root)
+                who = owner.describe() if owner is not None else "another process"
+                raise RootInUseError(
+                    f"{self._root} is being written by {who}; a root has one writer at a time. Wait "
+                    "for that job to finish (or stop it), or give this run its own root. Reading "
+                    "(restore, safeckpt.load, `safeckpt ls`) needs no ownership.",
+                    path=str(self._root),
+                    owner=None if owner is None else owner.to_json(),
+                )
+            time.sleep(_POLL)
+
+    def still_ours(self) -> bool:
+        current = read_owner(self._root)
+        return current is not None and current.token == self._token
+
+    def heartbeat(self) -> None:
+        """Refresh the heartbeat if due and the root is still ours (from the deleter thread)."""
+        if not self.claimed or time.monotonic() - self._last_beat < HEARTBEAT_EVERY:
+            return
+        with self._lock:
+            if self.still_ours():
+                self._write(self._record(self.writing))
+            else:
+                self.claimed = self.writing = False
+
+    def release(self) -> None:
+        """Give the root up (at ``close()``), if it is still ours."""
+        if not self.claimed:
+            return
+        with self._lock:
+            if self.still_ours():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path)
+                    self._ops.fsync_dir(self._root)
+        self.claimed = self.writing = False

@@ -1,0 +1,198 @@
+"""The zip container of a ``torch.save`` archive: local headers, data descriptors, the central
+directory, as miniz (``torch.save``) writes them. No tensors here, only records of bytes.
+
+Every record's CRC32 is the zip polynomial's, computed with :mod:`safeckpt.integrity`'s
+hardware CRC32; :class:`_ChecksummedStream` also keeps the CRC32 segments of the whole file
+(one per DCP item) for the checkpoint's record, without a second pass over the data.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from .integrity import SegmentRecorder, crc32
+
+_ALIGN = 64  # torch.save aligns every record's data to 64 bytes (so torch.load(mmap=True) works)
+_FLAGS = 0x0808  # sizes in a data descriptor after the data; UTF-8 names (as miniz writes)
+_FLAGS_EMPTY = 0x0800  # an empty record has no data descriptor
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_DESCRIPTOR = struct.Struct("<IIII")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")
+_LOCATOR = struct.Struct("<IIQI")
+_EOCD = struct.Struct("<IHHHHIIH")
+_SIG_LOCAL, _SIG_DESCRIPTOR, _SIG_CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
+_SIG_EOCD64, _SIG_LOCATOR, _SIG_EOCD = 0x06064B50, 0x07064B50, 0x06054B50
+_DESCRIPTOR_SIG = struct.pack("<I", _SIG_DESCRIPTOR)
+_CHUNK = 1 << 20  # checksummed, then written while still in cache
+
+
+def _padding(offset: int) -> bytes:
+    """The extra field that aligns the data after a local header ending at ``offset``.
+
+    As torch's writer does: an ``FB`` field of ``Z`` bytes, present even when no padding is needed.
+    """
+    pad = -(offset + 4) % _ALIGN
+    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    offset: int  # of the local header, from the archive's start
+    size: int
+    crc: int
+
+    @property
+    def flags(self) -> int:
+        return _FLAGS if self.size else _FLAGS_EMPTY
+
+
+def _write_record(stream: IO[bytes], start: int, name: bytes, data: memoryview) -> _Entry:
+    offset = stream.tell() - start
+    extra = _padding(offset + _LOCAL.size + len(name))
+    flags = _FLAGS if len(data) else _FLAGS_EMPTY
+    stream.write(_LOCAL.pack(_SIG_LOCAL, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)))
+    stream.write(name)
+    stream.write(extra)
+    # Checksum a chunk, then write it while it is still in cache: on a disk-bound write the
+    # checksum then costs next to nothing. (A helper thread checksumming in parallel was slower
+    # on 2 cores: it took the CPU the kernel's writeback needs.)
+    crc = 0
+    raw = getattr(stream, "write_unchecksummed", stream.write)
+    for begin in range(0, len(data), _CHUNK):
+        chunk = data[begin : begin + _CHUNK]
+        crc = crc32(chunk, crc)
+        raw(chunk)
+    if isinstance(stream, _ChecksummedStream):
+        stream.absorb(crc, len(data))  # the file's segment CRC, without a second pass over the data
+    if len(data):
+        stream.write(_DESCRIPTOR.pack(_SIG_DESCRIPTOR, crc, len(data), len(data)))
+    return _Entry(name, offset, len(data), crc)
+
+
+class _ChecksummedStream:
+    """A write stream that keeps the CRC32 segments of what passes through (one per DCP item)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self.recorder = SegmentRecorder()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.recorder.feed(view)
+        return self._stream.write(view)
+
+    def write_unchecksummed(self, data: memoryview) -> int:
+        """Write bytes whose CRC the caller hands to :meth:`absorb` right after."""
+        return self._stream.write(data)
+
+    def absorb(self, crc: int, length: int) -> None:
+        self.recorder.absorb(crc, length)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _write_directory(stream: IO[bytes], start: int, entries: Sequence[_Entry]) -> None:
+    directory = stream.tell() - start
+    for e in entries:
+        sizes = (e.crc, e.size, e.size, len(e.name))
+        stream.write(_CENTRAL.pack(_SIG_CENTRAL, 0, 0, e.flags, 0, 0, 0, *sizes, 0, 0, 0, 0, 0, e.offset))
+        stream.write(e.name)
+    end = stream.tell() - start
+    size, n = end - directory, len(entries)
+    # miniz (torch.save) always ends with a zip64 end record and its locator, then the classic one.
+    stream.write(_EOCD64.pack(_SIG_EOCD64, _EOCD64.size - 12, 0x031E, 0x2D, 0, 0, n, n, size, directory))
+    stream.write(_LOCATOR.pack(_SIG_LOCATOR, 0, end, 1))
+    stream.write(_EOCD.pack(_SIG_EOCD, 0, 0, n, n, size, directory, 0))
+
+
+@dataclass(frozen=True)
+class _Member:
+    offset: int  # of the local header, from the archive's start
+    size: int
+    method: int
+
+
+def _central_directory(archive: bytes | memoryview) -> dict[str, _Member]:
+    """Members of a whole archive held in memory (the version probe)."""
+    return _parse_directory(lambda off, n: bytes(archive[off : off + n]), len(archive))
+
+
+def _parse_directory(read: Callable[[int, int], bytes], length: int) -> dict[str, _Member]:
+    """The central directory of a zip archive of ``length`` bytes, read through ``read(offset, n)``."""
+    if length < _EOCD.size:
+        raise ValueError("too short to be a zip archive")
+    tail = read(length - _EOCD.size, _EOCD.size)
+    sig, _, _, _, count, size, directory, _ = _EOCD.unpack(tail)
+    if sig != _SIG_EOCD:  # a comment after the end record: torch.save never writes one
+        raise ValueError("no zip end record where torch.save puts it")
+    if 0xFFFF in (count,) or 0xFFFFFFFF in (size, directory):
+        locator = _LOCATOR.unpack(read(length - _EOCD.size - _LOCATOR.size, _LOCATOR.size))
+        if locator[0] != _SIG_LOCATOR:
+            raise ValueError("zip64 locator missing")
+        end64 = _EOCD64.unpack(read(locator[2], _EOCD64.size))
+        if end64[0] != _SIG_EOCD64:
+            raise ValueError("zip64 end record missing")
+        count, size, directory = end64[7], end64[8], end64[9]
+    if directory + size > length:
+        raise ValueError("zip directory out of bounds")
+    raw = read(directory, size)
+    members: dict[str, _Member] = {}
+    pos = 0
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(raw, pos)
+        if fields[0] != _SIG_CENTRAL:
+            raise ValueError("bad zip directory entry")
+        method, csize, usize = fields[4], fields[8], fields[9]
+        name_len, extra_len, comment_len, local = fields[10], fields[11], fields[12], fields[16]
+        name = raw[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len].decode("utf-8")
+        extra = raw[pos + _CENTRAL.size + name_len : pos + _CENTRAL.size + name_len + extra_len]
+        if 0xFFFFFFFF in (csize, usize, local):
+            csize, usize, local = _zip64_sizes(extra, csize, usize, local)
+        if csize != usize:
+            raise ValueError(f"compressed zip member {name}")
+        members[name] = _Member(local, usize, method)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return members
+
+
+def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            if usize == 0xFFFFFFFF:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF:
+                csize = values.pop(0)
+            if local == 0xFFFFFFFF:
+                local = values.pop(0)
+            return csize, usize, local
+        pos += 4 + n
+    raise ValueError("zip64 sizes missing")
+
+
+def _data_offset(archive: bytes | memoryview, member: _Member) -> int:
+    header = _LOCAL.unpack(bytes(archive[member.offset : member.offset + _LOCAL.size]))
+    return member.offset + _LOCAL.size + header[9] + header[10]
+
+
+def _descriptor_size(data: bytes, start: int) -> int | None:
+    """Size of the record whose data starts at ``start``, from the descriptor after it; None if unseen."""
+    at = data.find(_DESCRIPTOR_SIG, start)
+    while at != -1 and at + _DESCRIPTOR.size <= len(data):
+        _, crc, csize, usize = _DESCRIPTOR.unpack_from(data, at)
+        size = at - start
+        if csize == usize == size and crc32(data[start:at]) == crc:
+            return size
+        at = data.find(_DESCRIPTOR_SIG, at + 1)
+    return None

@@ -1,0 +1,427 @@
+"""Integrity and one commit point: changed bytes are never loaded, a committed checkpoint is never
+skipped, and everything read from a root is untrusted (issue 9)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from faults import FaultyFileOps
+from safeckpt import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    dcp_io,
+    read_record,
+)
+from safeckpt.atomic import read_pointer
+from safeckpt.catalog import scan
+from safeckpt.integrity import FileChecksum, combine, crc32
+from safeckpt.maintenance import prune, verify
+from safeckpt.retention import Retention
+from toy import make_state, same_weights, train_step, weights
+
+pytestmark = pytest.mark.timeout(120)  # a FIFO that hangs a read must fail, not stall the run
+
+
+def _saves(root: Path, steps: tuple[int, ...] = (1, 2), **kw: object) -> dict[int, dict[str, torch.Tensor]]:
+    state = make_state()
+    saved = {}
+    with CheckpointManager(root, async_save=False, **kw) as mgr:  # type: ignore[arg-type]
+        for step in steps:
+            train_step(state)
+            mgr.save(step, state, metrics={"loss": float(step)})
+            saved[step] = weights(state)
+    return saved
+
+
+def _flip(path: Path, offset: int | None = None) -> int:
+    """Flip one byte of ``path`` (default: the middle), keeping its size; the offset flipped."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return at
+
+
+def _rewrite_record(step_dir: Path, **changes: object) -> None:
+    path = step_dir / "metadata.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+# --- checksums ------------------------------------------------------------------------------------
+
+
+def test_the_checksum_is_zip_crc32_and_combines() -> None:
+    data = os.urandom(1 << 20)
+    assert crc32(data) == zlib.crc32(data)
+    assert combine(crc32(data[:1000]), crc32(data[1000:]), len(data) - 1000) == zlib.crc32(data)
+
+
+def test_every_file_of_a_checkpoint_is_covered_by_its_checksums(root: Path) -> None:
+    _saves(root, (1,))
+    record = read_record(root / "step_1")
+    assert record is not None and record.checksums is not None and record.seq == 1
+    assert set(record.checksums) == set(record.files)
+    for name, size in record.files.items():
+        checksum = FileChecksum.from_json(record.checksums[name], size=size, where=name)
+        data = (root / "step_1" / name).read_bytes()
+        assert [(s.offset, s.length, s.crc) for s in checksum.segments] == [
+            (s.offset, s.length, zlib.crc32(data[s.offset : s.offset + s.length])) for s in checksum.segments
+        ]
+    # the shard has one segment per DCP item, so a reader checks exactly what it reads
+    size = record.files["__0_0.distcp"]
+    distcp = FileChecksum.from_json(record.checksums["__0_0.distcp"], size=size, where="")
+    assert len(distcp.segments) > 5
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.25, 0.5, 0.75, 0.999])
+def test_verify_finds_a_flipped_byte_anywhere_in_a_shard(root: Path, fraction: float) -> None:
+    _saves(root)
+    shard = root / "step_2" / "__0_0.distcp"
+    offset = _flip(shard, int(shard.stat().st_size * fraction))
+    report = verify(root)
+    assert report[1] == []
+    assert report[2] and "does not match the checksum" in report[2][0], (offset, report)
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "train_state.rank0.safetensors", ".metadata"])
+def test_a_flipped_byte_is_never_loaded(root: Path, name: str, caplog: pytest.LogCaptureFixture) -> None:
+    saved = _saves(root)
+    _flip(root / "step_2" / name)
+    assert verify(root)[2], "verify must report the damage"
+    fresh = make_state(seed=3)
+    with CheckpointManager(root) as mgr:
+        with pytest.raises((CorruptCheckpointError, IncompleteCheckpointError)) as info:
+            mgr.restore(fresh, step=2)  # an explicit step raises
+        if isinstance(info.value, CorruptCheckpointError):
+            assert info.value.step == 2 and info.value.path.endswith(name)
+        restored = mgr.restore(fresh)  # auto-resume falls back past it, with a warning
+    assert restored.step == 1
+    assert same_weights(weights(fresh), saved[1])
+    assert any("falling back" in r.getMessage() or "skipping" in r.getMessage() for r in caplog.records)
+
+
+def test_corruption_names_the_file_the_offset_and_the_step(root: Path) -> None:
+    _saves(root)
+    shard = root / "step_2" / "__0_0.distcp"
+    _flip(shard)
+    with CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError) as info:
+        mgr.restore(make_state(), step=2)
+    error = info.value
+    assert error.path == str(shard) and error.step == 2 and isinstance(error.offset, int)
+    assert str(error.offset) in str(error) and "Restore another checkpoint" in str(error)
+
+
+def test_plain_dcp_load_still_reads_a_checkpoint(root: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _saves(root, (1,))
+    model = make_state(seed=5)["model"]
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=str(root / "step_1"))
+    assert torch.equal(target["model"]["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved = _saves(root, (1,))
+    _rewrite_record(root / "step_1", checksums=None, format_version=1, seq=None)
+    fresh = make_state(seed=3)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(fresh).step == 1
+    assert same_weights(weights(fresh), saved[1])
+    assert any("cannot be verified" in r.getMessage() for r in caplog.records)
+
+
+# --- one commit point -----------------------------------------------------------------------------
+
+
+def test_a_kill_after_the_rename_resumes_from_the_new_checkpoint(root: Path) -> None:
+    """The rename of the complete directory is the commit: a lagging `latest` does not undo it."""
+    saved = _saves(root, (1,))
+    state = make_state()
+    ops = FaultyFileOps()
+    ops.fail("symlink", errno.EIO, times=None, match="latest")  # the pointer swap fails: as if killed
+    with CheckpointManager(root, async_save=False, file_ops=ops) as mgr:
+        mgr.restore(state)
+        train_step(state)
+        mgr.save(2, state)  # committed: it does not raise for the pointer
+        assert mgr.latest_step == 2
+    assert read_pointer(root / "latest") == "step_1"  # the pointer lags
+    fresh = make_state(seed=4)
+    with CheckpointManager(root) as mgr:  # the next start repairs it
+        assert read_pointer(root / "latest") == "step_2"
+        assert mgr.restore(fresh).step == 2
+    assert same_weights(weights(fresh), weights(state)) and not same_weights(weights(fresh), saved[1])
+
+
+def test_a_rollback_is_respected(root: Path) -> None:
+    _saves(root, (1, 2, 3, 4, 5))
+    state = make_state(seed=2)
+    with CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.restore(state, step=3).step == 3
+        train_step(state)
+        mgr.save(4, state, overwrite=True)
+        retrained = weights(state)
+    fresh = make_state(seed=7)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(fresh).step == 4  # the new step 4, never the abandoned step 5
+    assert same_weights(weights(fresh), retrained)
+    assert read_pointer(root / "latest") == "step_4"
+    seqs = {e.step: e.record.seq for e in scan(root).committed.values() if e.record}
+    assert seqs[4] > seqs[5]
+
+
+def test_orphans_are_collected_at_open_and_only_they(root: Path) -> None:
+    _saves(root, (1,))
+    planted = [
+        root / ".latest.tmp.0123456789ab",
+        root / "step_1" / ".metadata.json.tmp.abcdef012345",
+        root / "step_1" / ".metadata.tmp",
+    ]
+    kept = [root / "notes.txt", root / "step_1" / ".keep", root / ".latest.tmp.not-ours"]
+    for path in planted + kept:
+        path.write_bytes(b"x")
+    with CheckpointManager(root):
+        pass
+    assert [p for p in planted if p.exists()] == []
+    assert all(p.exists() for p in kept)
+
+
+# --- confinement ----------------------------------------------------------------------------------
+
+
+def _repoint_metadata(step_dir: Path, relative: str) -> None:
+    """Point every storage entry of ``.metadata`` at ``relative`` and fix the record to match."""
+    metadata = dcp_io.read_metadata(step_dir)
+    for index, info in list(metadata.storage_data.items()):
+        metadata.storage_data[index] = type(info)(relative, info.offset, info.length)
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    data = buffer.getvalue()
+    (step_dir / ".metadata").write_bytes(data)
+    record = json.loads((step_dir / "metadata.json").read_text())
+    record["files"][".metadata"] = len(data)
+    record["checksums"][".metadata"] = FileChecksum.whole(data).to_json()
+    (step_dir / "metadata.json").write_text(json.dumps(record))
+    dcp_io._last_parsed.clear()
+
+
+@pytest.mark.parametrize("relative", ["../outside.bin", "/etc/passwd", "train_state.rank0.safetensors"])
+def test_a_metadata_pointing_out_of_the_checkpoint_is_refused(root: Path, relative: str) -> None:
+    _saves(root)
+    (root / "outside.bin").write_bytes((root / "step_1" / "__0_0.distcp").read_bytes())
+    _repoint_metadata(root / "step_2", relative)
+    before = weights(state := make_state(seed=8))
+    with CheckpointManager(root) as mgr, pytest.raises(UnsafeCheckpointError):
+        mgr.restore(state, step=2)
+    assert same_weights(weights(state), before), "nothing may be read before the refusal"
+
+
+def test_a_record_listing_a_file_outside_is_refused(root: Path) -> None:
+    _saves(root)
+    (root / "secret").write_bytes(b"s" * 1234)
+    record = json.loads((root / "step_2" / "metadata.json").read_text())
+    record["files"]["../secret"] = 1234
+    (root / "step_2" / "metadata.json").write_text(json.dumps(record))
+    with pytest.raises(UnsafeCheckpointError):
+        read_record(root / "step_2")
+    report = verify(root)
+    assert report[2] and "1234" not in " ".join(report[2])  # nothing about the outside file leaks
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(make_state()).step == 1  # auto-resume steps over it
+
+
+# --- untrusted roots ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", [".trash", ".staging"])
+def test_a_symlinked_trash_or_staging_is_refused_and_nothing_outside_is_deleted(
+    root: Path, tmp_path: Path, which: str
+) -> None:
+    _saves(root, (1,))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "step_9.pruned.0123456789ab").mkdir()
+    (victim / "precious").write_bytes(b"keep me")
+    shutil.rmtree(root / which)
+    (root / which).symlink_to(victim)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link"), CheckpointManager(root) as mgr:
+        mgr.save(2, make_state())
+    with pytest.raises(UnsafeCheckpointError):
+        prune(root, Retention(keep_last=1))
+    assert sorted(p.name for p in victim.iterdir()) == ["precious", "step_9.pruned.0123456789ab"]
+
+
+@pytest.mark.parametrize("name", ["metadata.json", ".metadata", "train_state.rank0.safetensors"])
+def test_a_fifo_in_a_checkpoint_is_an_error_never_a_hang(root: Path, name: str) -> None:
+    _saves(root)
+    path = root / "step_2" / name
+    path.unlink()
+    os.mkfifo(path)
+    assert verify(root)[2]  # reported, not hung
+    assert scan(root).latest_step in (1, 2)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(make_state()).step == 1
+        with pytest.raises((UnsafeCheckpointError, IncompleteCheckpointError)):
+            mgr.restore(make_state(), step=2)
+    prune(root, Retention(keep_last=5))  # does not hang either
+
+
+def test_a_record_of_another_step_is_not_believed(root: Path) -> None:
+    _saves(root)
+    _rewrite_record(root / "step_2", step=99)
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IncompleteCheckpointError, match="step 99"):
+            mgr.restore(make_state(), step=2)
+        assert mgr.restore(make_state()).step == 1
+
+
+@pytest.mark.parametrize("time_value", [1e20, -5, "soon", float("nan")])
+def test_a_record_with_an_impossible_time_is_invalid_not_a_crash(root: Path, time_value: object) -> None:
+    _saves(root)
+    path = root / "step_2" / "metadata.json"
+    data = json.loads(path.read_text())
+    data["time"] = time_value
+    path.write_text(json.dumps(data))  # (NaN written as the non-JSON token, as a careless editor would)
+    with pytest.raises(IncompleteCheckpointError):
+        read_record(root / "step_2")
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(make_state()).step == 1
+        mgr.pin(1)  # pins and listing still work
+
+
+def test_records_are_strict_json_and_non_finite_metrics_round_trip(root: Path) -> None:
+    state = make_state()
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state, metrics={"up": float("inf"), "down": float("-inf")}, extra={"x": float("nan")})
+    text = (root / "step_1" / "metadata.json").read_text()
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    json.loads(text, parse_constant=refuse)
+    record = read_record(root / "step_1")
+    assert record is not None and record.metrics == {"up": float("inf"), "down": float("-inf")}
+    assert str(record.extra["x"]) == "nan"
+
+
+def test_a_directory_named_latest_does_not_break_saving(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root.mkdir(parents=True)
+    (root / "latest").mkdir()
+    (root / "latest" / "user-file").write_bytes(b"mine")
+    state = make_state()
+    with CheckpointManager(root, async_save=False) as mgr:
+        train_step(state)
+        mgr.save(1, state)  # commits without raising
+        train_step(state)
+        mgr.save(2, state)
+    with CheckpointManager(root) as mgr:  # the next start repairs `latest`, keeping what was there
+        assert read_pointer(root / "latest") == "step_2"
+        assert mgr.restore(make_state()).step == 2
+    kept = [p for p in root.iterdir() if p.name.startswith("latest.not-a-pointer")]
+    assert len(kept) == 1 and (kept[0] / "user-file").read_bytes() == b"mine"
+
+
+def test_a_latest_that_is_a_fifo_is_treated_as_missing(root: Path) -> None:
+    _saves(root)
+    (root / "latest").unlink()
+    os.mkfifo(root / "latest")
+    assert read_pointer(root / "latest") is None
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(make_state()).step == 2
+    assert read_pointer(root / "latest") == "step_2"
+
+
+def test_verification_can_be_switched_off(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _saves(root)
+    shard = root / "step_2" / "__0_0.distcp"
+    record = read_record(root / "step_2")
+    assert record is not None
+    # flip a byte inside a tensor's data, not a header: the load itself then still works
+    size = record.files["__0_0.distcp"]
+    checksum = FileChecksum.from_json(record.checksums["__0_0.distcp"], size=size, where="")
+    big = max(checksum.segments, key=lambda s: s.length)
+    _flip(shard, big.offset + big.length // 2)
+    monkeypatch.setenv("SAFECKPT_VERIFY", "0")
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(make_state(), step=2).step == 2  # loads the changed bytes, as asked
+    monkeypatch.delenv("SAFECKPT_VERIFY")
+    with CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore(make_state(), step=2)
+
+
+def test_logging_names_no_unverifiable_warning_for_new_checkpoints(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _saves(root, (1,))
+    with caplog.at_level(logging.WARNING), CheckpointManager(root) as mgr:
+        mgr.restore(make_state())
+    assert not any("cannot be verified" in r.getMessage() for r in caplog.records)
+
+
+def _rewrite_train_state(step_dir: Path, change: Any) -> None:
+    """Edit the JSON document of rank 0's train-state file and fix size and checksum in the record,
+    as someone who can write the root could: only validation against the state can catch it."""
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    path = step_dir / "train_state.rank0.safetensors"
+    blob = path.read_bytes()
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    document = json.loads(header["__metadata__"]["safeckpt.train_state"])
+    change(document)
+    data = st_save(st_load(blob), metadata={"safeckpt.train_state": json.dumps(document)})
+    path.write_bytes(data)
+    record = json.loads((step_dir / "metadata.json").read_text())
+    record["files"][path.name] = len(data)
+    record["checksums"][path.name] = FileChecksum.whole(data).to_json()
+    (step_dir / "metadata.json").write_text(json.dumps(record))
+
+
+def _replace_model_by_a_value(document: Any) -> None:
+    document["values"].append("pwned")
+    for entry in document["tree"]["D"]:
+        if entry[0] == "model":
+            entry[1] = {"V": len(document["values"]) - 1}
+
+
+def _break_a_node(document: Any) -> None:
+    for entry in document["tree"]["D"]:
+        if entry[0] == "sched":
+            entry[1] = {"Q": 1}
+
+
+@pytest.mark.parametrize(
+    "change", [_replace_model_by_a_value, _break_a_node], ids=["value-for-model", "bad-node"]
+)
+def test_a_tampered_train_state_touches_nothing(root: Path, change: Any) -> None:
+    _saves(root)
+    _rewrite_train_state(root / "step_2", change)
+    state = make_state(seed=6)
+    model, before = state["model"], weights(state)
+    sched_before = state["sched"].state_dict()
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(CheckpointError):
+            mgr.restore(state, step=2)
+        assert state["model"] is model and same_weights(weights(state), before)
+        assert state["sched"].state_dict() == sched_before
+        assert mgr.restore(state, step=1).step == 1  # and the state still loads a sound checkpoint
+    assert state["model"] is model
