@@ -30,6 +30,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,17 @@ def read_owner(root: str | os.PathLike[str]) -> Owner | None:
         return None
 
 
+# The claims of this process still held by a live Ownership object: an owner record with this
+# process's pid but a token not in here belongs to a manager that was dropped without close().
+_live_claims: weakref.WeakValueDictionary[str, Ownership] = weakref.WeakValueDictionary()
+
+
+def _alive(owner: Owner, stale_after: float) -> bool:
+    if owner.host == socket.gethostname() and owner.pid == os.getpid():
+        return owner.token in _live_claims
+    return owner.alive(stale_after=stale_after)
+
+
 class Ownership:
     """This process's claim on one root. Every change holds the sidecar lock."""
 
@@ -146,6 +158,7 @@ class Ownership:
         self._last_beat = 0.0
         self.claimed = False
         self.writing = False
+        _live_claims[self._token] = self
 
     def _record(self, writing: bool) -> Owner:
         pid = os.getpid()
@@ -168,7 +181,7 @@ class Ownership:
         with self._lock:
             current = read_owner(self._root)
             other = current is not None and current.token != self._token
-            live = other and current is not None and current.alive(stale_after=self._stale_after)
+            live = other and current is not None and _alive(current, self._stale_after)
             if live and current is not None and (current.writing or not writing):
                 return False  # a live writer, or a live claimant while we only open
             if current is not None and current.token != self._token and current.writing:
@@ -187,10 +200,13 @@ class Ownership:
             if time.monotonic() >= deadline:
                 owner = read_owner(self._root)
                 who = owner.describe() if owner is not None else "another process"
+                if owner is not None and owner.pid == os.getpid() and owner.host == socket.gethostname():
+                    todo = "That is this process: close() the other CheckpointManager of this root first."
+                else:
+                    todo = "Wait for that job to finish (or stop it), or give this run its own root."
                 raise RootInUseError(
-                    f"{self._root} is being written by {who}; a root has one writer at a time. Wait "
-                    "for that job to finish (or stop it), or give this run its own root. Reading "
-                    "(restore, safeckpt.load, `safeckpt ls`) needs no ownership.",
+                    f"{self._root} is being written by {who}; a root has one writer at a time. {todo} "
+                    "Reading (restore, safeckpt.load, `safeckpt ls`) needs no ownership.",
                     path=str(self._root),
                     owner=None if owner is None else owner.to_json(),
                 )
