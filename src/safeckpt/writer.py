@@ -213,8 +213,11 @@ def _fits(buf: Any, tensor: torch.Tensor) -> bool:
 class StagingPool:
     """``depth`` staging slots; ``acquire`` blocks while all are in use."""
 
-    def __init__(self, depth: int, *, pin: bool | None = None) -> None:
-        self._free = [StagingSlot(pin=pin) for _ in range(depth)]
+    def __init__(
+        self, depth: int, *, pin: bool | None = None, slot: Callable[..., StagingSlot] | None = None
+    ) -> None:
+        make = slot or StagingSlot  # a subclass stages other containers (Lightning's checkpoint dict)
+        self._free = [make(pin=pin) for _ in range(depth)]
         self.slots = tuple(self._free)
         self._cond = threading.Condition()
 

@@ -2,7 +2,7 @@
 
 * :class:`CheckpointSlot` copies a checkpoint dict's tensors into host buffers kept
   from save to save (a :class:`~safeckpt.writer.StagingSlot` that keeps container
-  types), :class:`SlotPool` bounds how many staged checkpoints wait;
+  types); a :class:`~safeckpt.writer.StagingPool` of them bounds how many wait;
 * :func:`write_checkpoint` is ``torch.save`` with ``atomic.atomic_write``'s
   protocol (temp sibling, fsync, ``os.replace``, directory fsync), streamed.
 """
@@ -13,7 +13,6 @@ import contextlib
 import copy
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -50,26 +49,6 @@ class CheckpointSlot(StagingSlot):
         if type(value) in (list, tuple):
             return type(value)(self._stage(v, (*path, i), seen, device_copy) for i, v in enumerate(value))
         return copy.deepcopy(value)
-
-
-class SlotPool:
-    """``depth`` reusable slots; ``acquire`` blocks while all of them hold queued or writing saves."""
-
-    def __init__(self, depth: int) -> None:
-        self._free = [CheckpointSlot() for _ in range(depth)]
-        self._cond = threading.Condition()
-
-    def acquire(self) -> CheckpointSlot:
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            return self._free.pop()
-
-    def release(self, slot: CheckpointSlot) -> None:
-        with self._cond:
-            if slot not in self._free:
-                self._free.append(slot)
-                self._cond.notify()
 
 
 def write_checkpoint(path: Path, checkpoint: Any, ops: FileOps) -> None:

@@ -43,8 +43,8 @@ from ..fileops import DEFAULT_FILE_OPS, FileOps
 from ..layout import Layout
 from ..lock import SidecarLock
 from ..removal import Deleter
-from ..writer import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter
-from .checkpoint_file import TEMP_NAME, CheckpointSlot, SlotPool, write_checkpoint
+from ..writer import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter, StagingPool
+from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class SafeCheckpointIO(CheckpointIO):
         self._error: BaseException | None = None
         self._seq = 0
         self._writer: BackgroundWriter | None = None
-        self._pool: SlotPool | None = None
+        self._pool: StagingPool | None = None
         self._dirs: dict[Path, _Dir] = {}
         self._dirs_lock = threading.Lock()
         self._swept: set[Path] = set()  # directories whose leftover temp files were collected
@@ -250,9 +250,9 @@ class SafeCheckpointIO(CheckpointIO):
 
     # --- the mechanism -----------------------------------------------------------------
 
-    def _start(self) -> tuple[BackgroundWriter, SlotPool]:
+    def _start(self) -> tuple[BackgroundWriter, StagingPool]:
         if self._writer is None or self._pool is None:
-            self._pool = SlotPool(self.queue_depth)
+            self._pool = StagingPool(self.queue_depth, slot=CheckpointSlot)
             self._writer = BackgroundWriter(self._persist, name="safeckpt-lightning-writer")
         return self._writer, self._pool
 
