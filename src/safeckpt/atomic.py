@@ -13,7 +13,9 @@ import errno
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from .errors import CheckpointError
 from .fileops import FileOps
@@ -36,6 +38,23 @@ def atomic_write(path: Path, data: bytes, ops: FileOps) -> None:
     tmp = _temp_sibling(path)
     try:
         ops.write_file(tmp, data)
+        ops.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    ops.fsync_dir(path.parent)
+
+
+def atomic_write_stream(path: Path, write: Callable[[IO[bytes]], object], ops: FileOps) -> None:
+    """:func:`atomic_write` for data produced by ``write(file)`` (a ``torch.save`` of a 1 GiB
+    checkpoint is not built in memory first): temp sibling, fsync, ``os.replace``, dir fsync."""
+    tmp = _temp_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         ops.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -9,17 +9,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import re
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..atomic import atomic_write_stream
 from ..fileops import FileOps
 from ..writer import StagingSlot
 
@@ -53,20 +50,4 @@ class CheckpointSlot(StagingSlot):
 
 def write_checkpoint(path: Path, checkpoint: Any, ops: FileOps) -> None:
     """``torch.save`` into a temp sibling, fsync, ``os.replace``, fsync the directory."""
-    _atomic_stream(path, lambda f: torch.save(checkpoint, f), ops)
-
-
-def _atomic_stream(path: Path, write: Callable[[Any], None], ops: FileOps) -> None:
-    # atomic.atomic_write's protocol, streaming: a 1 GiB checkpoint is not built in memory first.
-    tmp = path.with_name(f".{path.name}.tmp.{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        ops.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    ops.fsync_dir(path.parent)
+    atomic_write_stream(path, lambda f: torch.save(checkpoint, f), ops)
