@@ -213,11 +213,22 @@ class _Archive:
     and back, which on a cold cache is a synchronous disk read per tensor.
     """
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int, *, head: bytes | None = None) -> None:
         self._fd, self._start, self._length = fd, start, length
-        self._head = self._pread(0, min(length, _WINDOW))
+        self._head = self._pread(0, min(length, _WINDOW)) if head is None else head
         self._tail: tuple[int, bytes] | None = None
         self._members: dict[str, _Member] | None = None
+
+    @property
+    def head(self) -> bytes:
+        """The archive's first bytes, read already (at least its first ``_WINDOW``, or all of it)."""
+        return self._head
+
+    def set_tail(self, at: int, tail: bytes) -> None:
+        """Bytes ``[at, length)`` of the archive, read already (with the tensor, in one request)."""
+        if at + len(tail) != self._length:
+            raise ValueError("the tail must reach the archive's end")
+        self._tail = (at, tail)
 
     def _pread(self, offset: int, n: int) -> bytes:
         data = os.pread(self._fd, n, self._start + offset)
@@ -228,9 +239,7 @@ class _Archive:
     def _read(self, offset: int, n: int) -> bytes:
         if offset < 0 or offset + n > self._length:
             raise ValueError("read outside the archive")
-        if offset + n <= len(self._head):
-            return self._head[offset : offset + n]
-        return self._pread(offset, n)
+        return self.span(offset, offset + n)
 
     def walk(self) -> dict[str, _Record]:
         """The records whose local headers and sizes the head shows, in order.
@@ -274,9 +283,10 @@ class _Archive:
     def directory(self) -> dict[str, _Record]:
         """Every record, from the central directory at the archive's end."""
         if self._members is None:
-            tail_at = max(0, self._length - _WINDOW)
-            tail = self._pread(tail_at, self._length - tail_at)
-            self._tail = (tail_at, tail)
+            if self._tail is None:
+                at = max(0, self._length - _WINDOW)
+                self._tail = (at, self._pread(at, self._length - at))
+            tail_at, tail = self._tail
 
             def read(offset: int, n: int) -> bytes:
                 if offset >= tail_at and offset + n <= self._length:

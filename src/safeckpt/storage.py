@@ -26,7 +26,6 @@ looked up defensively.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import io
 import logging
@@ -34,7 +33,6 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,6 +52,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .archive import (
+    _WINDOW,
     _Archive,
     _ArchiveWriter,
     _bytes_of,
@@ -65,6 +64,7 @@ from .archive import (
     _StoragePrefix,
     raw_path_available,
 )
+from .direct_io import DirectFileWriter
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
 from .zipformat import _ChecksummedStream
 
@@ -74,7 +74,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["RawFileSystemReader", "RawFileSystemWriter", "raw_path_available"]
 
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: left to torch.save
-_READERS = 2  # threads reading tensor bytes: a disk with one request in flight idles between them
 
 _SUFFIX = ".distcp"
 
@@ -145,16 +144,15 @@ class RawFileSystemWriter(FileSystemWriter):
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = self.fs.concat_path(self.path, file_name)
         results = []
-        with self.fs.create_stream(path, "wb") as stream:
+        with DirectFileWriter(path) as stream:
             archives = _ArchiveWriter()
             checked = _ChecksummedStream(stream)
             # Byte items first, then tensors, as DCP orders them.
             for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
                 results.append(_write_item(checked, file_name, item, planner.resolve_data(item), archives))
-                checked.recorder.cut()
-            stream.flush()
-            if self.sync_files:
-                os.fsync(stream.fileno())
+                checked.cut()
+            checked.flush()
+            stream.close(fsync=self.sync_files)
         with self._checksums_lock:
             self.checksums[file_name] = checked.recorder.result()
         return results
@@ -253,22 +251,118 @@ class RawFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
             path = self.fs.concat_path(self.path, relative_path)
-            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
             fd, _ = open_regular(Path(path))
             try:
-                with ThreadPoolExecutor(_READERS) as pool:
-                    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
-                    started = [(item, self._start_item(fd, item, planner, pool)) for item in items]
-                    for item, reading in started:
-                        if reading is not None:
-                            target, done = reading
-                            done.result()
-                            planner.commit_tensor(item, target)
+                _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+                self._read_file(fd, items, planner)
             finally:
                 os.close(fd)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_file(self, fd: int, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Byte items, then each tensor archive in file order, front to back, one request each.
+
+        One ``preadv`` per archive reads the tensor's bytes into their destination,
+        the rest of its archive and the head of the next one: the file is read in
+        order, so the kernel's read-ahead keeps the disk busy, and no small read of
+        a header waits on the disk.
+        """
+        archives: dict[int, list[ReadItem]] = {}  # offset -> the items it feeds (reshards: several)
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+                self._read_other(fd, item, planner)
+            else:
+                archives.setdefault(info.offset, []).append(item)
+        order = sorted(archives)
+        head: bytes | None = None
+        for k, offset in enumerate(order):
+            group = archives[offset]
+            length = self.storage_data[group[0].storage_index].length
+            following = order[k + 1] if k + 1 < len(order) else None
+            next_head = 0
+            if following == offset + length:
+                next_length = self.storage_data[archives[following][0].storage_index].length
+                next_head = min(next_length, _WINDOW)
+            if head is None:
+                head = _pread_exact(fd, min(length, _WINDOW), offset)
+            head = self._read_archive(fd, offset, length, head, group, planner, next_head)
+
+    def _read_other(self, fd: int, item: ReadItem, planner: LoadPlanner) -> None:
+        """A byte item (checked, then handed to ``load_bytes``) or one with stream transforms."""
+        info = self.storage_data[item.storage_index]
+        if item.type != LoadItemType.BYTE_IO:
+            self.verify_items([item])
+            super().read_data(LoadPlan([item]), planner).wait()
+            return
+        segment = self._segment(item)
+        data = _pread_exact(fd, info.length, info.offset)
+        if segment is not None and crc32(data) != segment.crc:
+            raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
+        planner.load_bytes(item, io.BytesIO(data))
+
+    def _read_archive(
+        self,
+        fd: int,
+        offset: int,
+        length: int,
+        head: bytes,
+        items: list[ReadItem],
+        planner: LoadPlanner,
+        next_head: int,
+    ) -> bytes | None:
+        """Read one tensor archive into every item it feeds; the next archive's head (or None)."""
+        info = self.storage_data[items[0].storage_index]
+        where = (Path(self.path) / info.relative_path, info.offset)
+        segment = self._segment(items[0])
+        archive = _Archive(fd, offset, length, head=head)
+        layout, record = self._locate(archive, archive.walk())
+        targets = [self._target(item, layout, planner) for item in items]
+        straight = len(items) == 1 and _reads_straight_into(targets[0], _saved(layout, items[0]), layout)
+        if straight:
+            data = _bytes_of(targets[0])
+        else:
+            storage = torch.empty(record.size, dtype=torch.uint8)
+            data = _bytes_of(storage)
+        following = b""
+        begin, end = record.start, record.start + record.size
+        if begin > len(head):  # data.pkl larger than the head: read this archive the slow way
+            archive.read_into(record, data)
+            next_head = 0
+        else:
+            in_head = min(end, len(head)) - begin
+            data[:in_head] = head[begin : begin + in_head]
+            tail_from = max(end, len(head))
+            tail = bytearray(length - tail_from)
+            following_buffer = bytearray(next_head)
+            _preadv_exact(fd, [data[in_head:], tail, following_buffer], offset + len(head))
+            archive.set_tail(end, head[end:] + bytes(tail) if len(head) > end else bytes(tail))
+            following = bytes(following_buffer)
+        checked_layout, checked = self._locate(archive, archive.directory())
+        if (checked, checked_layout.key) != (record, layout.key):
+            # The head misled the walk (it cannot happen with torch.save's archives): read again
+            # from where the central directory says.
+            layout, record = checked_layout, checked
+            storage = torch.empty(record.size, dtype=torch.uint8)
+            data = _bytes_of(storage)
+            archive.read_into(record, data)
+            straight = False
+        if segment is not None and archive.checksum(record, data) != segment.crc:
+            raise corrupt(where[0], where[1], step=self._step)
+        for item, target in zip(items, targets, strict=True):
+            if not straight:
+                _place(storage, layout, item, target)
+            planner.commit_tensor(item, target)
+        return following if next_head else None
+
+    def _target(self, item: ReadItem, layout: _Layout, planner: LoadPlanner) -> torch.Tensor:
+        target = planner.resolve_tensor(item).detach()
+        saved = _saved(layout, item)
+        if target.size() != saved.size():
+            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {saved.size()}")
+        return target
 
     def _segment(self, item: ReadItem) -> Segment | None:
         """The recorded segment of ``item`` (None: nothing to check against); a mismatch raises."""
@@ -310,54 +404,6 @@ class RawFileSystemReader(FileSystemReader):
             if crc32(data) != segment.crc:
                 raise corrupt(path, info.offset, step=self._step)
 
-    def _start_item(
-        self, fd: int, item: ReadItem, planner: LoadPlanner, pool: ThreadPoolExecutor
-    ) -> tuple[torch.Tensor, concurrent.futures.Future[None]] | None:
-        """Find the item's tensor and start reading it on ``pool``; None when done already (bytes)."""
-        info = self.storage_data[item.storage_index]
-        segment = self._segment(item)
-        if getattr(info, "transform_descriptors", None):
-            self.verify_items([item])
-            super().read_data(LoadPlan([item]), planner).wait()
-            return None
-        if item.type == LoadItemType.BYTE_IO:
-            data = os.pread(fd, info.length, info.offset)
-            if len(data) != info.length:
-                raise EOFError("the checkpoint file is shorter than its metadata says")
-            if segment is not None and crc32(data) != segment.crc:
-                raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
-            planner.load_bytes(item, io.BytesIO(data))
-            return None
-        archive = _Archive(fd, info.offset, info.length)
-        layout, record = self._locate(archive, archive.walk())
-        saved = _narrow(layout.tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != saved.size():
-            raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {saved.size()}")
-        where = (Path(self.path) / info.relative_path, info.offset)
-        return target, pool.submit(self._read_checked, archive, record, layout, item, target, segment, where)
-
-    def _read_checked(
-        self,
-        archive: _Archive,
-        record: _Record,
-        layout: _Layout,
-        item: ReadItem,
-        target: torch.Tensor,
-        segment: Segment | None,
-        where: tuple[Path, int],
-    ) -> None:
-        """Read the tensor, check the central directory (it follows the data) agrees, then the CRC."""
-        data = self._read_tensor(archive, record, layout, item, target)
-        checked_layout, checked = self._locate(archive, archive.directory())
-        if (checked, checked_layout.key) != (record, layout.key):
-            # The head misled the walk (it cannot happen with torch.save's archives): read again
-            # from where the central directory says.
-            record = checked
-            data = self._read_tensor(archive, checked, checked_layout, item, target)
-        if segment is not None and archive.checksum(record, data) != segment.crc:
-            raise corrupt(where[0], where[1], step=self._step)
-
     def _locate(self, archive: _Archive, records: dict[str, _Record]) -> tuple[_Layout, _Record]:
         """The tensor's layout (from data.pkl) and its data record, among ``records``."""
         pickled = _named(records, "data.pkl")
@@ -375,26 +421,6 @@ class RawFileSystemReader(FileSystemReader):
         if record is None or record.size != layout.nbytes:
             raise ValueError(f"the tensor archive holds no {layout.nbytes}-byte record data/{layout.key}")
         return layout, record
-
-    @staticmethod
-    def _read_tensor(
-        archive: _Archive, record: _Record, layout: _Layout, item: ReadItem, target: torch.Tensor
-    ) -> memoryview:
-        """Read the stored bytes into ``target`` (through a buffer when layouts differ); the bytes read."""
-        saved = _narrow(layout.tensor, item.storage_offsets, item.lengths)
-        if _reads_straight_into(target, saved, layout):
-            view = _bytes_of(target)
-            archive.read_into(record, view)
-            return view
-        storage = torch.empty(record.size, dtype=torch.uint8)
-        view = _bytes_of(storage)
-        archive.read_into(record, view)
-        meta = layout.tensor
-        full = torch.empty(0, dtype=layout.dtype).set_(
-            storage.untyped_storage(), meta.storage_offset(), meta.size(), meta.stride()
-        )
-        target.copy_(_narrow(full, item.storage_offsets, item.lengths))
-        return view
 
     def _layout(self, pickled: bytes) -> _Layout:
         """:func:`_read_layout`, once per distinct ``data.pkl`` (layers repeat the same shapes)."""
@@ -419,6 +445,41 @@ def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Lay
         and not target.is_conj()
         and not target.is_neg()
     )
+
+
+def _saved(layout: _Layout, item: ReadItem) -> torch.Tensor:
+    """The part of the stored tensor that ``item`` asks for (a view of the meta tensor)."""
+    return _narrow(layout.tensor, item.storage_offsets, item.lengths)
+
+
+def _place(storage: torch.Tensor, layout: _Layout, item: ReadItem, target: torch.Tensor) -> None:
+    """Copy the item's part of the stored bytes (read into ``storage``) into ``target``."""
+    meta = layout.tensor
+    full = torch.empty(0, dtype=layout.dtype).set_(
+        storage.untyped_storage(), meta.storage_offset(), meta.size(), meta.stride()
+    )
+    target.copy_(_narrow(full, item.storage_offsets, item.lengths))
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise EOFError("the checkpoint file is shorter than its metadata says")
+    return data
+
+
+def _preadv_exact(fd: int, buffers: list[Any], offset: int) -> None:
+    """Fill every buffer from ``offset`` on, in order, with as few ``preadv`` calls as the kernel allows."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise EOFError("the checkpoint file is shorter than its metadata says")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
 
 
 def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:

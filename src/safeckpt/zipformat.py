@@ -28,6 +28,7 @@ _SIG_LOCAL, _SIG_DESCRIPTOR, _SIG_CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
 _SIG_EOCD64, _SIG_LOCATOR, _SIG_EOCD = 0x06064B50, 0x07064B50, 0x06054B50
 _DESCRIPTOR_SIG = struct.pack("<I", _SIG_DESCRIPTOR)
 _CHUNK = 1 << 20  # checksummed, then written while still in cache
+_SMALL = 64 << 10  # smaller writes are joined into one
 
 
 def _padding(offset: int) -> bytes:
@@ -55,63 +56,91 @@ def _write_record(stream: IO[bytes], start: int, name: bytes, data: memoryview) 
     offset = stream.tell() - start
     extra = _padding(offset + _LOCAL.size + len(name))
     flags = _FLAGS if len(data) else _FLAGS_EMPTY
-    stream.write(_LOCAL.pack(_SIG_LOCAL, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)))
-    stream.write(name)
-    stream.write(extra)
+    header = _LOCAL.pack(_SIG_LOCAL, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+    if len(data) < _SMALL:  # header, data and descriptor in one write
+        crc = crc32(data)
+        tail = _DESCRIPTOR.pack(_SIG_DESCRIPTOR, crc, len(data), len(data)) if len(data) else b""
+        stream.write(b"".join((header, data, tail)))
+        return _Entry(name, offset, len(data), crc)
+    stream.write(header)
     # Checksum a chunk, then write it while it is still in cache: on a disk-bound write the
     # checksum then costs next to nothing. (A helper thread checksumming in parallel was slower
     # on 2 cores: it took the CPU the kernel's writeback needs.)
+    checked = isinstance(stream, _ChecksummedStream)
+    raw = stream.write_unchecksummed if checked else stream.write
     crc = 0
-    raw = getattr(stream, "write_unchecksummed", stream.write)
     for begin in range(0, len(data), _CHUNK):
         chunk = data[begin : begin + _CHUNK]
         crc = crc32(chunk, crc)
         raw(chunk)
-    if isinstance(stream, _ChecksummedStream):
+    if checked:
         stream.absorb(crc, len(data))  # the file's segment CRC, without a second pass over the data
-    if len(data):
-        stream.write(_DESCRIPTOR.pack(_SIG_DESCRIPTOR, crc, len(data), len(data)))
+    stream.write(_DESCRIPTOR.pack(_SIG_DESCRIPTOR, crc, len(data), len(data)))
     return _Entry(name, offset, len(data), crc)
 
 
 class _ChecksummedStream:
-    """A write stream that keeps the CRC32 segments of what passes through (one per DCP item)."""
+    """A write stream that keeps the CRC32 segments of what passes through (one per DCP item).
+
+    Small writes (headers, ``data.pkl``, the central directory) are joined and
+    written together: an archive of a small tensor costs one write, not fifty.
+    """
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
+        self._pending = bytearray()
         self.recorder = SegmentRecorder()
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.recorder.feed(view)
-        return self._stream.write(view)
+        if len(view) >= _SMALL:
+            self._flush_pending()
+            self.recorder.feed(view)
+            return self._stream.write(view)
+        self._pending += view
+        return len(view)
 
     def write_unchecksummed(self, data: memoryview) -> int:
         """Write bytes whose CRC the caller hands to :meth:`absorb` right after."""
+        self._flush_pending()
         return self._stream.write(data)
 
     def absorb(self, crc: int, length: int) -> None:
         self.recorder.absorb(crc, length)
 
+    def cut(self) -> None:
+        """End the current segment (one per DCP item) at the current position."""
+        self._flush_pending()
+        self.recorder.cut()
+
     def tell(self) -> int:
-        return self._stream.tell()
+        return self._stream.tell() + len(self._pending)
 
     def flush(self) -> None:
+        self._flush_pending()
         self._stream.flush()
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            self.recorder.feed(self._pending)
+            self._stream.write(self._pending)
+            self._pending = bytearray()
 
 
 def _write_directory(stream: IO[bytes], start: int, entries: Sequence[_Entry]) -> None:
     directory = stream.tell() - start
+    parts = []
     for e in entries:
         sizes = (e.crc, e.size, e.size, len(e.name))
-        stream.write(_CENTRAL.pack(_SIG_CENTRAL, 0, 0, e.flags, 0, 0, 0, *sizes, 0, 0, 0, 0, 0, e.offset))
-        stream.write(e.name)
-    end = stream.tell() - start
-    size, n = end - directory, len(entries)
+        parts.append(_CENTRAL.pack(_SIG_CENTRAL, 0, 0, e.flags, 0, 0, 0, *sizes, 0, 0, 0, 0, 0, e.offset))
+        parts.append(e.name)
+    size, n = sum(map(len, parts)), len(entries)
+    end = directory + size
     # miniz (torch.save) always ends with a zip64 end record and its locator, then the classic one.
-    stream.write(_EOCD64.pack(_SIG_EOCD64, _EOCD64.size - 12, 0x031E, 0x2D, 0, 0, n, n, size, directory))
-    stream.write(_LOCATOR.pack(_SIG_LOCATOR, 0, end, 1))
-    stream.write(_EOCD.pack(_SIG_EOCD, 0, 0, n, n, size, directory, 0))
+    parts.append(_EOCD64.pack(_SIG_EOCD64, _EOCD64.size - 12, 0x031E, 0x2D, 0, 0, n, n, size, directory))
+    parts.append(_LOCATOR.pack(_SIG_LOCATOR, 0, end, 1))
+    parts.append(_EOCD.pack(_SIG_EOCD, 0, 0, n, n, size, directory, 0))
+    stream.write(b"".join(parts))
 
 
 @dataclass(frozen=True)
