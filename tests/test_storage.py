@@ -320,3 +320,43 @@ def test_the_dcp_io_switch_reads_what_the_other_path_wrote(
         assert mgr.restore(fresh).step == 1
     assert torch.equal(fresh["w"], state["w"])
     assert torch.equal(fresh["m"].weight, state["m"].weight)
+
+
+def _same_shape_state(n: int = 12) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.randn(64, 16) for i in range(n)}
+
+
+def test_archives_of_one_shape_are_parsed_in_full_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers repeat their shapes: the first archive of a shape is parsed, the rest compared to it."""
+    state = _same_shape_state()
+    dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    parsed = []
+    real = archive._Archive.directory
+
+    def counting(self: Any) -> Any:
+        parsed.append(1)
+        return real(self)
+
+    monkeypatch.setattr(archive._Archive, "directory", counting)
+    loaded = zeros_like(state)
+    dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+    assert_equal(loaded, state)
+    assert len(parsed) == 1, "12 archives of one shape: one full parse"
+
+
+def test_an_archive_whose_directory_differs_from_its_shape_is_parsed_and_refused(tmp_path: Path) -> None:
+    """Same prefix as the archives before it, a central directory that points elsewhere: never
+    loaded on the strength of the earlier archives (the CRC check is off here, so only the
+    directory check stands between this file and a wrong read)."""
+    state = _same_shape_state(3)
+    dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    metadata = FileSystemReader(tmp_path).read_metadata()
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    path = tmp_path / last.relative_path
+    data = bytearray(path.read_bytes())
+    entry = data.index(b"PK\x01\x02", last.offset)  # the first central directory entry of the last archive
+    (local,) = struct.unpack_from("<I", data, entry + 42)
+    struct.pack_into("<I", data, entry + 42, local + 1)  # its local header offset, one byte off
+    path.write_bytes(bytes(data))
+    with pytest.raises(BaseException, match="local header|directory|zip"):
+        dcp.load(zeros_like(state), storage_reader=RawFileSystemReader(tmp_path), no_dist=True)

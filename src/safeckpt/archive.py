@@ -24,8 +24,10 @@ from .zipformat import (
     _central_directory,
     _data_offset,
     _descriptor_size,
+    _masked,
     _Member,
     _parse_directory,
+    _tail_masks,
     _write_directory,
     _write_record,
 )
@@ -308,6 +310,20 @@ class _Archive:
     def read(self, record: _Record) -> bytes:
         return self._read(record.start, record.size)
 
+    def shape(self, layout: _Layout, record: _Record) -> _ArchiveShape | None:
+        """After :meth:`directory`: what the archives like this one share (None: not cacheable)."""
+        end = record.start + record.size
+        if self._members is None or self._tail is None or self._tail[0] > end:
+            return None
+        if record.start > len(self._head):
+            return None
+        tail = self.span(end, self._length)
+        masks = _tail_masks(tail, self._members, end)
+        if masks is None:
+            return None
+        prefix = self._head[: record.start]
+        return _ArchiveShape(self._length, prefix, layout, record, masks, _masked(tail, masks))
+
     def read_into(self, record: _Record, view: memoryview) -> None:
         if len(view) != record.size or record.start + record.size > self._length:
             raise ValueError("destination size differs from the stored tensor")
@@ -317,6 +333,28 @@ class _Archive:
             if n == 0:
                 raise EOFError("the checkpoint file is shorter than its metadata says")
             view, position = view[n:], position + n
+
+
+@dataclass(frozen=True)
+class _ArchiveShape:
+    """What every archive of one tensor layout shares, so that only the first is parsed in full.
+
+    The bytes before the tensor's data are identical (headers, ``data.pkl``), and
+    so is the tail after it except for the ranges ``masks`` covers (CRCs, and the
+    ``version`` and ``serialization_id`` records' bytes, which nothing reads):
+    an archive whose prefix and masked tail equal these has the same records,
+    the same central directory and the same layout.
+    """
+
+    length: int
+    prefix: bytes
+    layout: _Layout
+    record: _Record
+    masks: tuple[tuple[int, int], ...]
+    template: bytes  # the tail with ``masks`` zeroed
+
+    def matches_tail(self, tail: bytes) -> bool:
+        return len(tail) == len(self.template) and _masked(tail, self.masks) == self.template
 
 
 def _named(records: dict[str, _Record], name: str) -> _Record | None:

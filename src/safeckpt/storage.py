@@ -54,6 +54,7 @@ from torch.futures import Future
 from .archive import (
     _WINDOW,
     _Archive,
+    _ArchiveShape,
     _ArchiveWriter,
     _bytes_of,
     _Layout,
@@ -238,6 +239,7 @@ class RawFileSystemReader(FileSystemReader):
     ) -> None:
         super().__init__(*args, **kwargs)
         self._layouts: dict[bytes, _Layout] = {}
+        self._shapes: dict[int, dict[tuple[int, bytes], _ArchiveShape]] = {}  # prefix length -> shapes
         self._checksums = checksums
         self._step = step
         self._whole_verified: set[str] = set()
@@ -318,7 +320,11 @@ class RawFileSystemReader(FileSystemReader):
         where = (Path(self.path) / info.relative_path, info.offset)
         segment = self._segment(items[0])
         archive = _Archive(fd, offset, length, head=head)
-        layout, record = self._locate(archive, archive.walk())
+        shape = self._known_shape(length, head)
+        if shape is not None:
+            layout, record = shape.layout, shape.record
+        else:
+            layout, record = self._locate(archive, archive.walk())
         targets = [self._target(item, layout, planner) for item in items]
         straight = len(items) == 1 and _reads_straight_into(targets[0], _saved(layout, items[0]), layout)
         if straight:
@@ -326,7 +332,7 @@ class RawFileSystemReader(FileSystemReader):
         else:
             storage = torch.empty(record.size, dtype=torch.uint8)
             data = _bytes_of(storage)
-        following = b""
+        following = tail = b""
         begin, end = record.start, record.start + record.size
         if begin > len(head):  # data.pkl larger than the head: read this archive the slow way
             archive.read_into(record, data)
@@ -334,17 +340,24 @@ class RawFileSystemReader(FileSystemReader):
         else:
             in_head = min(end, len(head)) - begin
             data[:in_head] = head[begin : begin + in_head]
-            tail_from = max(end, len(head))
-            tail = bytearray(length - tail_from)
+            rest = bytearray(length - max(end, len(head)))
             following_buffer = bytearray(next_head)
-            _preadv_exact(fd, [data[in_head:], tail, following_buffer], offset + len(head))
-            archive.set_tail(end, head[end:] + bytes(tail) if len(head) > end else bytes(tail))
+            _preadv_exact(fd, [data[in_head:], rest, following_buffer], offset + len(head))
+            tail = head[end:] + bytes(rest) if len(head) > end else bytes(rest)
+            archive.set_tail(end, tail)
             following = bytes(following_buffer)
-        checked_layout, checked = self._locate(archive, archive.directory())
-        if (checked, checked_layout.key) != (record, layout.key):
+        # The central directory must agree with the walk (a tail laid out as that of an archive of
+        # the same shape, checked already, does).
+        agrees = shape is not None and shape.matches_tail(tail)
+        if not agrees:
+            checked_layout, checked_record = self._locate(archive, archive.directory())
+            agrees = (checked_record, checked_layout.key) == (record, layout.key)
+            if agrees and shape is None:
+                self._remember(archive.shape(layout, record))
+        if not agrees:
             # The head misled the walk (it cannot happen with torch.save's archives): read again
             # from where the central directory says.
-            layout, record = checked_layout, checked
+            layout, record = checked_layout, checked_record
             storage = torch.empty(record.size, dtype=torch.uint8)
             data = _bytes_of(storage)
             archive.read_into(record, data)
@@ -356,6 +369,19 @@ class RawFileSystemReader(FileSystemReader):
                 _place(storage, layout, item, target)
             planner.commit_tensor(item, target)
         return following if next_head else None
+
+    def _known_shape(self, length: int, head: bytes) -> _ArchiveShape | None:
+        """The shape of an archive parsed before whose first bytes are these (layers repeat)."""
+        for start, shapes in self._shapes.items():
+            if start <= len(head):
+                shape = shapes.get((length, head[:start]))
+                if shape is not None:
+                    return shape
+        return None
+
+    def _remember(self, shape: _ArchiveShape | None) -> None:
+        if shape is not None and len(self._shapes) < 64:  # a handful of distinct prefix lengths
+            self._shapes.setdefault(len(shape.prefix), {})[(shape.length, shape.prefix)] = shape
 
     def _target(self, item: ReadItem, layout: _Layout, planner: LoadPlanner) -> torch.Tensor:
         target = planner.resolve_tensor(item).detach()

@@ -27,6 +27,8 @@ _EOCD = struct.Struct("<IHHHHIIH")
 _SIG_LOCAL, _SIG_DESCRIPTOR, _SIG_CENTRAL = 0x04034B50, 0x08074B50, 0x02014B50
 _SIG_EOCD64, _SIG_LOCATOR, _SIG_EOCD = 0x06064B50, 0x07064B50, 0x06054B50
 _DESCRIPTOR_SIG = struct.pack("<I", _SIG_DESCRIPTOR)
+_LOCAL_SIG, _CENTRAL_SIG = struct.pack("<I", _SIG_LOCAL), struct.pack("<I", _SIG_CENTRAL)
+_EOCD64_SIG, _EOCD_SIG = struct.pack("<I", _SIG_EOCD64), struct.pack("<I", _SIG_EOCD)
 _CHUNK = 1 << 20  # checksummed, then written while still in cache
 _SMALL = 64 << 10  # smaller writes are joined into one
 
@@ -191,6 +193,49 @@ def _parse_directory(read: Callable[[int, int], bytes], length: int) -> dict[str
         members[name] = _Member(local, usize, method)
         pos += _CENTRAL.size + name_len + extra_len + comment_len
     return members
+
+
+def _tail_masks(tail: bytes, members: dict[str, _Member], at: int) -> tuple[tuple[int, int], ...] | None:
+    """The byte ranges of an archive's tail (from ``at``, the end of the tensor's data) that may
+    differ between archives of one layout: every CRC and the data of the records after the tensor
+    (``version``, ``serialization_id``). Everything else (headers, names, offsets, sizes, the
+    central directory's structure) is what the reader must find identical. None: not laid out as
+    ``torch.save`` lays it out (the reader then parses every such archive in full).
+    """
+    by_offset = {m.offset - at: m for m in members.values()}
+    masks: list[tuple[int, int]] = []
+    pos = 0
+    if tail[:4] == _DESCRIPTOR_SIG:  # the tensor's data descriptor
+        masks.append((4, 8))
+        pos = _DESCRIPTOR.size
+    while tail[pos : pos + 4] == _LOCAL_SIG:
+        member = by_offset.get(pos)
+        if member is None or pos + _LOCAL.size > len(tail):
+            return None
+        fields = _LOCAL.unpack_from(tail, pos)
+        start = pos + _LOCAL.size + fields[9] + fields[10]
+        masks.append((start, start + member.size))
+        pos = start + member.size
+        if fields[2] & 0x08:
+            masks.append((pos + 4, pos + 8))
+            pos += _DESCRIPTOR.size
+    while tail[pos : pos + 4] == _CENTRAL_SIG:
+        if pos + _CENTRAL.size > len(tail):
+            return None
+        fields = _CENTRAL.unpack_from(tail, pos)
+        masks.append((pos + 16, pos + 20))
+        pos += _CENTRAL.size + fields[10] + fields[11] + fields[12]
+    if pos > len(tail) or tail[pos : pos + 4] not in (_EOCD64_SIG, _EOCD_SIG):
+        return None
+    return tuple(masks)
+
+
+def _masked(tail: bytes, masks: tuple[tuple[int, int], ...]) -> bytes:
+    """``tail`` with the ``masks`` ranges zeroed."""
+    out = bytearray(tail)
+    for begin, end in masks:
+        out[begin:end] = bytes(end - begin)
+    return bytes(out)
 
 
 def _zip64_sizes(extra: bytes, csize: int, usize: int, local: int) -> tuple[int, int, int]:
