@@ -326,7 +326,9 @@ def _same_shape_state(n: int = 12) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(64, 16) for i in range(n)}
 
 
-def test_archives_of_one_shape_are_parsed_in_full_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_archives_of_one_shape_are_parsed_in_full_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Layers repeat their shapes: the first archive of a shape is parsed, the rest compared to it."""
     state = _same_shape_state()
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
@@ -358,5 +360,41 @@ def test_an_archive_whose_directory_differs_from_its_shape_is_parsed_and_refused
     (local,) = struct.unpack_from("<I", data, entry + 42)
     struct.pack_into("<I", data, entry + 42, local + 1)  # its local header offset, one byte off
     path.write_bytes(bytes(data))
-    with pytest.raises(BaseException, match="local header|directory|zip"):
+    with pytest.raises(BaseException, match=r"local header|directory|zip"):
         dcp.load(zeros_like(state), storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(300_000),
+        torch.zeros(0),
+        torch.tensor(3.0),
+        torch.arange(10, dtype=torch.int8),
+    ],
+    ids=["small", "large", "empty", "0-dim", "int8"],
+)
+def test_an_archive_from_a_template_is_the_archive_written_in_full(
+    tensor: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first archive of a layout, the rest are written from its template: same bytes."""
+    from safeckpt.zipformat import _ChecksummedStream
+
+    def written(serial: int) -> bytes:
+        monkeypatch.setattr(archive.secrets, "randbits", lambda _bits: serial)
+        out = io.BytesIO()
+        stream = _ChecksummedStream(out)
+        archive._ArchiveWriter().write(stream, tensor)
+        stream.flush()
+        return out.getvalue()
+
+    archive._templates._templates.clear()
+    first, from_template, other = written(12345), written(12345), written(999)
+    records = [*archive._ArchiveWriter()._records(tensor), ("version", memoryview(archive._version_record()))]
+    records.append((".data/serialization_id", memoryview(f"{12345:040d}".encode())))
+    in_full = io.BytesIO()
+    archive._write_archive(in_full, records)
+    assert first == from_template == in_full.getvalue()
+    assert other != first and torch.equal(torch.load(io.BytesIO(other)), tensor)
+    assert zipfile.ZipFile(io.BytesIO(other)).testzip() is None  # every CRC patched in right

@@ -24,10 +24,13 @@ from .zipformat import (
     _central_directory,
     _data_offset,
     _descriptor_size,
+    _Entry,
     _masked,
     _Member,
     _parse_directory,
+    _Recording,
     _tail_masks,
+    _Template,
     _write_directory,
     _write_record,
 )
@@ -88,7 +91,7 @@ def _probe() -> bytes | None:
         version = theirs.getvalue()[_data_offset(theirs.getvalue(), entry) :][: entry.size]
         tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         ours = io.BytesIO()
-        _ArchiveWriter(version=version).write(ours, tensor)
+        _ArchiveWriter(version=version, templates=_TemplateCache()).write(ours, tensor)  # torch's own path
         if not torch.equal(torch.load(io.BytesIO(ours.getvalue()), weights_only=True), tensor):
             raise ValueError("torch.load read back other values")
         pickled = _central_directory(ours.getvalue())["archive/data.pkl"]
@@ -127,15 +130,57 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def _write_entries(stream: IO[bytes], records: list[tuple[str, memoryview]]) -> list[_Entry]:
+    start = stream.tell()
+    entries = [_write_record(stream, start, f"archive/{name}".encode(), data) for name, data in records]
+    _write_directory(stream, start, entries)
+    return entries
+
+
+def _write_archive(stream: IO[bytes], records: list[tuple[str, memoryview]]) -> int:
+    start = stream.tell()
+    _write_entries(stream, records)
+    return stream.tell() - start
+
+
+def _storage_bytes(tensor: torch.Tensor) -> memoryview:
+    return _bytes_of(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
+
+
+class _TemplateCache:
+    """Templates by layout, shared by every writer of the process (bounded: layouts repeat)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._templates: dict[Any, _Template] = {}
+        self._limit = limit
+
+    def get(self, key: Any) -> _Template | None:
+        return self._templates.get(key)
+
+    def put(self, key: Any, template: _Template) -> None:
+        with self._lock:
+            if len(self._templates) >= self._limit:
+                self._templates.clear()
+            self._templates[key] = template
+
+
+_templates = _TemplateCache()
+
+
 class _ArchiveWriter:
     """Writes tensors as ``torch.save`` archives.
 
-    ``data.pkl`` of a layout seen before (the layers of a model repeat their
-    shapes) is reused rather than pickled again. One writer per thread.
+    The first archive of a layout (the layers of a model repeat their shapes)
+    is written from the records ``torch.serialization._save`` makes; every later
+    one from its :class:`_Template` (``templates``: the process's shared cache
+    unless given), so ``data.pkl`` is not pickled and no header is packed again.
+    One writer per thread.
     """
 
-    def __init__(self, *, version: bytes | None = None) -> None:
+    def __init__(self, *, version: bytes | None = None, templates: _TemplateCache | None = None) -> None:
         self._version = version
+        self._templates = _templates if templates is None else templates
         self._pickled: dict[tuple[Any, ...], list[tuple[str, bytes | None]]] = {}
 
     def write(self, stream: IO[bytes], tensor: torch.Tensor) -> int:
@@ -146,12 +191,22 @@ class _ArchiveWriter:
         version = self._version or _version_record()
         assert version is not None
         serialization_id = f"{secrets.randbits(128):040d}".encode()  # 40 digits, as torch writes
+        key = _layout_key(tensor)
+        template = self._templates.get((key, version)) if key is not None else None
+        if template is not None:
+            return template.write(stream, _storage_bytes(tensor), serialization_id)
         records = [*self._records(tensor), ("version", memoryview(version))]
         records.append((".data/serialization_id", memoryview(serialization_id)))
-        start = stream.tell()
-        entries = [_write_record(stream, start, f"archive/{name}".encode(), data) for name, data in records]
-        _write_directory(stream, start, entries)
-        return stream.tell() - start
+        if key is None:
+            return _write_archive(stream, records)
+        # The first archive of a layout: written to memory (its small parts), made a template of.
+        recording = _Recording()
+        entries = _write_entries(recording, records)
+        varying = [i for i, (name, _) in enumerate(records) if name.startswith("data/")]
+        varying.append(len(records) - 1)  # the serialization id
+        template = _Template(recording, entries, varying)
+        self._templates.put((key, version), template)
+        return template.write(stream, _storage_bytes(tensor), serialization_id)
 
     def _records(self, tensor: torch.Tensor) -> list[tuple[str, memoryview]]:
         """What ``torch.serialization._save`` writes for ``tensor``: data.pkl, markers, the storage."""
