@@ -30,6 +30,7 @@ from .legacy_state import load_legacy
 from .loading import LoadPlan, LoadReport, Selection
 from .record import Record, missing_or_wrong_files, read_record
 from .state import nest_for_dcp
+from .storage import prefetch
 from .train_state import Legacy, read_tree, restore_rng, train_state_filename
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ def load_checkpoint(
     loaded: Any = None
     tree: Any = None
     rng: Any = None
+    prefetch(directory, parts.rank)
     try:
         metadata = dcp_io.read_metadata(directory, record=record)
         tree, rng = read_tree(directory, record, parts.rank)

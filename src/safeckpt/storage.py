@@ -72,11 +72,12 @@ from .zipformat import _ChecksummedStream
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["RawFileSystemReader", "RawFileSystemWriter", "raw_path_available"]
+__all__ = ["RawFileSystemReader", "RawFileSystemWriter", "prefetch", "raw_path_available"]
 
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: left to torch.save
 
 _SUFFIX = ".distcp"
+_PREFETCH = 256 << 20  # what a disk reads while a restore plans: more only competes with the cache
 
 
 # --- writing -------------------------------------------------------------------------------
@@ -513,6 +514,29 @@ def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]
         if start != 0 or length != tensor.size(dim):
             tensor = torch.narrow(tensor, dim, start, length)
     return tensor
+
+
+def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> None:
+    """Ask the kernel to start reading the first ``limit`` bytes of ``rank``'s shard file now.
+
+    A restore spends tens of milliseconds (record, metadata, DCP's planning)
+    before it reads a tensor; the disk can work meanwhile. On a thread:
+    ``POSIX_FADV_WILLNEED`` may block while it queues the reads. A hint: a file
+    that is missing, not regular, or on a platform without ``posix_fadvise`` is
+    left alone, and the read that follows checks everything as always.
+    """
+    path = directory / f"__{rank}_0{_SUFFIX}"
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            fd, info = open_regular(path)
+            try:
+                _advise(fd, 0, min(info.st_size, limit), "POSIX_FADV_WILLNEED")
+            finally:
+                os.close(fd)
+
+    if hasattr(os, "posix_fadvise"):
+        threading.Thread(target=run, name="safeckpt-prefetch", daemon=True).start()
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:
