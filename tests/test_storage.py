@@ -398,3 +398,34 @@ def test_an_archive_from_a_template_is_the_archive_written_in_full(
     assert first == from_template == in_full.getvalue()
     assert other != first and torch.equal(torch.load(io.BytesIO(other)), tensor)
     assert zipfile.ZipFile(io.BytesIO(other)).testzip() is None  # every CRC patched in right
+
+
+def test_an_archive_of_a_known_length_but_another_layout_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batched reads guess an archive's layout from its length; a float32 and an int32 tensor of 8
+    values have archives of the same length. The guess is checked before anything is committed,
+    and the int32 one is read again and converted, not loaded as float bits."""
+    from safeckpt import read_batch
+
+    state = {
+        f"{kind}{i}": torch.arange(8, dtype=dtype) + i
+        for i in range(3)
+        for kind, dtype in (("f", torch.float32), ("i", torch.int32))
+    }
+    dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    wrong = []
+    real = read_batch.Planned.as_guessed
+
+    def counting(self: Any) -> bool:
+        ok = real(self)
+        wrong.append(not ok)
+        return ok
+
+    monkeypatch.setattr(read_batch.Planned, "as_guessed", counting)
+    loaded = {name: torch.zeros(8) for name in state}  # every target float32: ints are converted
+    dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+    for name, value in state.items():
+        assert torch.equal(loaded[name], value.float()), name
+    assert any(wrong), "the layouts alternate, so some guesses are wrong"
+    assert not all(wrong), "and some are right"

@@ -9,10 +9,15 @@ and copies that into the destination: two copies of every byte.
 :class:`RawFileSystemWriter` writes the same archives (``data.pkl`` pickled by
 torch's own ``torch.serialization._save``, records 64-byte aligned, the version
 and serialization-id records ``torch.save`` writes) straight from the tensor's
-memory, with the CRC32 from zlib-ng (twenty times faster than miniz's, computed a
-chunk at a time just before the chunk is written, while it is in cache).
-:class:`RawFileSystemReader` reads each archive front to back and each
-tensor's bytes straight into the destination tensor when their layouts agree,
+memory, with the CRC32 from zlib-ng computed a chunk at a time just before the
+chunk is written, while it is in cache. Archives of a layout seen before are
+written from a template of the first (:class:`~safeckpt.zipformat._Template`),
+and the file goes to disk through :class:`~safeckpt.direct_io.DirectFileWriter`
+(aligned buffers, ``O_DIRECT`` where the filesystem takes it).
+:class:`RawFileSystemReader` reads the file front to back: runs of archives
+whose shape it can guess with one large ``preadv``
+(:mod:`safeckpt.read_batch`), the others one request each, and each tensor's
+bytes straight into the destination tensor when their layouts agree,
 otherwise into one fresh buffer that it copies from, as DCP does. ``data.pkl``
 is unpickled with torch's weights-only unpickler, the one
 ``torch.load(weights_only=True)`` uses, so nothing from the file can run code.
@@ -63,10 +68,12 @@ from .archive import (
     _Record,
     _StorageInfo,
     _StoragePrefix,
+    expected_shape,
     raw_path_available,
 )
 from .direct_io import DirectFileWriter
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
+from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, preadv_exact, read_all
 from .zipformat import _ChecksummedStream
 
 logger = logging.getLogger(__name__)
@@ -241,6 +248,9 @@ class RawFileSystemReader(FileSystemReader):
         super().__init__(*args, **kwargs)
         self._layouts: dict[bytes, _Layout] = {}
         self._shapes: dict[int, dict[tuple[int, bytes], _ArchiveShape]] = {}  # prefix length -> shapes
+        self._by_length: dict[int, _ArchiveShape] = {}
+        self._expected_shapes: dict[tuple[Any, ...], _ArchiveShape | None] = {}  # (dtype, sizes) ->
+        self._tensors: Mapping[str, Any] = {}  # DCP's metadata of each tensor, by name
         self._checksums = checksums
         self._step = step
         self._whole_verified: set[str] = set()
@@ -281,17 +291,71 @@ class RawFileSystemReader(FileSystemReader):
                 archives.setdefault(info.offset, []).append(item)
         order = sorted(archives)
         head: bytes | None = None
-        for k, offset in enumerate(order):
+        k = 0
+        while k < len(order):
+            planned = self._plan_batch(order, k, archives, planner)
+            if planned:
+                self._read_batch(fd, planned, planner)
+                k += len(planned)
+                head = None
+                continue
+            offset = order[k]
             group = archives[offset]
             length = self.storage_data[group[0].storage_index].length
             following = order[k + 1] if k + 1 < len(order) else None
             next_head = 0
             if following == offset + length:
                 next_length = self.storage_data[archives[following][0].storage_index].length
-                next_head = min(next_length, _WINDOW)
+                if self._guess(archives[following][0], next_length) is None:  # else read in a batch
+                    next_head = min(next_length, _WINDOW)
             if head is None:
                 head = _pread_exact(fd, min(length, _WINDOW), offset)
             head = self._read_archive(fd, offset, length, head, group, planner, next_head)
+            k += 1
+
+    def _plan_batch(
+        self, order: list[int], k: int, archives: dict[int, list[ReadItem]], planner: LoadPlanner
+    ) -> list[Planned]:
+        """The run of consecutive archives from ``order[k]`` whose shapes are known (maybe none)."""
+        planned: list[Planned] = []
+        size = 0
+        end: int | None = None
+        for offset in order[k : k + BATCH_ARCHIVES]:
+            group = archives[offset]
+            length = self.storage_data[group[0].storage_index].length
+            shape = self._guess(group[0], length)
+            if shape is None or (end is not None and offset != end):
+                break
+            if planned and size + length > BATCH_BYTES:
+                break
+            if not all(_fits(shape.layout, item) for item in group):
+                break  # not this shape after all: the slow path finds out what it is
+            targets = [planner.resolve_tensor(item).detach() for item in group]
+            saved = [_saved(shape.layout, item) for item in group]
+            if any(t.size() != s.size() for t, s in zip(targets, saved, strict=True)):
+                break
+            straight = len(group) == 1 and _reads_straight_into(targets[0], saved[0], shape.layout)
+            planned.append(Planned(offset, length, group, shape, targets, straight))
+            size += length
+            end = offset + length
+        return planned
+
+    def _read_batch(self, fd: int, planned: list[Planned], planner: LoadPlanner) -> None:
+        read_all(fd, planned)
+        for p in planned:
+            if not p.as_guessed():  # same length, another layout: read it again, in full
+                head = _pread_exact(fd, min(p.length, _WINDOW), p.offset)
+                self._read_archive(fd, p.offset, p.length, head, p.items, planner, 0)
+                continue
+            info = self.storage_data[p.items[0].storage_index]
+            segment = self._segment(p.items[0])
+            if segment is not None and crc32(p.tail, crc32(p.data, crc32(p.prefix))) != segment.crc:
+                raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
+            for item, target in zip(p.items, p.targets, strict=True):
+                if not p.straight:
+                    assert p.storage is not None
+                    _place(p.storage, p.shape.layout, item, target)
+                planner.commit_tensor(item, target)
 
     def _read_other(self, fd: int, item: ReadItem, planner: LoadPlanner) -> None:
         """A byte item (checked, then handed to ``load_bytes``) or one with stream transforms."""
@@ -343,7 +407,7 @@ class RawFileSystemReader(FileSystemReader):
             data[:in_head] = head[begin : begin + in_head]
             rest = bytearray(length - max(end, len(head)))
             following_buffer = bytearray(next_head)
-            _preadv_exact(fd, [data[in_head:], rest, following_buffer], offset + len(head))
+            preadv_exact(fd, [data[in_head:], rest, following_buffer], offset + len(head))
             tail = head[end:] + bytes(rest) if len(head) > end else bytes(rest)
             archive.set_tail(end, tail)
             following = bytes(following_buffer)
@@ -371,6 +435,31 @@ class RawFileSystemReader(FileSystemReader):
             planner.commit_tensor(item, target)
         return following if next_head else None
 
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = getattr(metadata, "state_dict_metadata", None) or {}
+
+    def _guess(self, item: ReadItem, length: int) -> _ArchiveShape | None:
+        """The shape an archive of ``length`` bytes holding ``item`` most likely has (None: unknown)."""
+        return self._expected(item, length) or self._by_length.get(length)
+
+    def _expected(self, item: ReadItem, length: int) -> _ArchiveShape | None:
+        """The shape the archive of ``item`` has if safeckpt or torch.save wrote it, from DCP's
+        metadata (dtype, the saved chunk's sizes): a guess, checked against what is read."""
+        index = item.storage_index
+        tensor = self._tensors.get(index.fqn)
+        chunks = getattr(tensor, "chunks", None)
+        if not chunks:
+            return None
+        chunk = next((c for c in chunks if c.offsets == index.offset), None)
+        if chunk is None:
+            return None
+        key = (tensor.properties.dtype, tuple(chunk.sizes))
+        if key not in self._expected_shapes:
+            self._expected_shapes[key] = expected_shape(*key)
+        shape = self._expected_shapes[key]
+        return shape if shape is not None and shape.length == length else None
+
     def _known_shape(self, length: int, head: bytes) -> _ArchiveShape | None:
         """The shape of an archive parsed before whose first bytes are these (layers repeat)."""
         for start, shapes in self._shapes.items():
@@ -383,6 +472,7 @@ class RawFileSystemReader(FileSystemReader):
     def _remember(self, shape: _ArchiveShape | None) -> None:
         if shape is not None and len(self._shapes) < 64:  # a handful of distinct prefix lengths
             self._shapes.setdefault(len(shape.prefix), {})[(shape.length, shape.prefix)] = shape
+            self._by_length[shape.length] = shape  # the guess for the next archive of this length
 
     def _target(self, item: ReadItem, layout: _Layout, planner: LoadPlanner) -> torch.Tensor:
         target = planner.resolve_tensor(item).detach()
@@ -474,6 +564,15 @@ def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Lay
     )
 
 
+def _fits(layout: _Layout, item: ReadItem) -> bool:
+    """The part ``item`` asks for lies inside a tensor of ``layout``."""
+    size = layout.tensor.size()
+    if len(item.storage_offsets) != len(size) or len(item.lengths) != len(size):
+        return False
+    parts = zip(item.storage_offsets, item.lengths, size, strict=True)
+    return all(o >= 0 and o + n <= d for o, n, d in parts)
+
+
 def _saved(layout: _Layout, item: ReadItem) -> torch.Tensor:
     """The part of the stored tensor that ``item`` asks for (a view of the meta tensor)."""
     return _narrow(layout.tensor, item.storage_offsets, item.lengths)
@@ -493,20 +592,6 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     if len(data) != n:
         raise EOFError("the checkpoint file is shorter than its metadata says")
     return data
-
-
-def _preadv_exact(fd: int, buffers: list[Any], offset: int) -> None:
-    """Fill every buffer from ``offset`` on, in order, with as few ``preadv`` calls as the kernel allows."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise EOFError("the checkpoint file is shorter than its metadata says")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views.pop(0))
-        if n:
-            views[0] = views[0][n:]
 
 
 def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
