@@ -11,6 +11,7 @@ import os
 import pickle
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -23,6 +24,7 @@ from .zipformat import (
     _SIG_LOCAL,
     _central_directory,
     _data_offset,
+    _data_start,
     _descriptor_size,
     _Entry,
     _masked,
@@ -128,6 +130,39 @@ class _Records:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def expected_shape(dtype: torch.dtype, sizes: Sequence[int]) -> _ArchiveShape | None:
+    """The shape of the archive safeckpt (and ``torch.save``) writes for a contiguous tensor of
+    ``dtype`` and ``sizes``, without any tensor's bytes: what a reader can guess from DCP's
+    metadata alone (the guess is checked against the bytes it reads). None where it cannot say.
+    """
+    version = _version_record()
+    if version is None:
+        return None
+    try:
+        tensor = torch.empty(tuple(sizes), dtype=dtype)  # never touched: a recording skips its bytes
+    except (RuntimeError, TypeError):
+        return None
+    records = [*_ArchiveWriter(templates=_TemplateCache())._records(tensor), ("version", memoryview(version))]
+    records.append((".data/serialization_id", memoryview(b"0" * 40)))
+    data = next((i for i, (name, _) in enumerate(records) if name.startswith("data/")), None)
+    if data is None or _layout_key(tensor) is None:
+        return None
+    recording = _Recording()
+    entries = _write_entries(recording, records)
+    entry = entries[data]
+    start = _data_start(entry)
+    end = start + entry.size
+    head, tail = recording.span(0, start), recording.span(end, recording.tell())
+    pickled = next(e for e in entries if e.name.endswith(b"/data.pkl"))
+    layout = _read_layout(head[_data_start(pickled) : _data_start(pickled) + pickled.size])
+    members = {e.name.decode(): _Member(e.offset, e.size, 0) for e in entries}
+    masks = _tail_masks(tail, members, end)
+    if masks is None:
+        return None
+    record = _Record(entry.offset, start, entry.size)
+    return _ArchiveShape(recording.tell(), head, layout, record, masks, _masked(tail, masks))
 
 
 def _write_entries(stream: IO[bytes], records: list[tuple[str, memoryview]]) -> list[_Entry]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .archive import _ArchiveShape, _bytes_of
+from .integrity import crc32
 
 __all__ = ["Planned", "preadv_exact", "read_all"]
 
@@ -61,6 +62,10 @@ class Planned:
         else:
             self.storage = torch.empty(record.size, dtype=torch.uint8)
             self.data = _bytes_of(self.storage)
+
+    def checksum(self) -> int:
+        """CRC32 of the archive's bytes as read."""
+        return crc32(self.tail, crc32(self.data, crc32(self.prefix)))
 
     def as_guessed(self) -> bool:
         """The bytes read are laid out as the shape says (else the caller reads it again)."""

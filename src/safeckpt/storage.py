@@ -31,6 +31,8 @@ looked up defensively.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import io
 import logging
@@ -38,6 +40,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,6 +87,8 @@ __all__ = ["RawFileSystemReader", "RawFileSystemWriter", "prefetch", "raw_path_a
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: left to torch.save
 
 _SUFFIX = ".distcp"
+Future_ = concurrent.futures.Future  # a batch being read
+_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
 _PREFETCH = 256 << 20  # what a disk reads while a restore plans: more only competes with the cache
 
 
@@ -275,12 +280,12 @@ class RawFileSystemReader(FileSystemReader):
         return future
 
     def _read_file(self, fd: int, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Byte items, then each tensor archive in file order, front to back, one request each.
+        """Byte items, then the tensor archives in file order, front to back.
 
-        One ``preadv`` per archive reads the tensor's bytes into their destination,
-        the rest of its archive and the head of the next one: the file is read in
-        order, so the kernel's read-ahead keeps the disk busy, and no small read of
-        a header waits on the disk.
+        Runs of archives whose shape can be guessed go in batches, one large
+        ``preadv`` each (:mod:`safeckpt.read_batch`); any other archive is read on
+        its own: its head, then one ``preadv`` of the tensor's bytes into their
+        destination and of the rest of the archive, parsed and checked in full.
         """
         archives: dict[int, list[ReadItem]] = {}  # offset -> the items it feeds (reshards: several)
         for item in items:
@@ -290,28 +295,31 @@ class RawFileSystemReader(FileSystemReader):
             else:
                 archives.setdefault(info.offset, []).append(item)
         order = sorted(archives)
-        head: bytes | None = None
-        k = 0
-        while k < len(order):
-            planned = self._plan_batch(order, k, archives, planner)
-            if planned:
-                self._read_batch(fd, planned, planner)
-                k += len(planned)
-                head = None
-                continue
-            offset = order[k]
-            group = archives[offset]
-            length = self.storage_data[group[0].storage_index].length
-            following = order[k + 1] if k + 1 < len(order) else None
-            next_head = 0
-            if following == offset + length:
-                next_length = self.storage_data[archives[following][0].storage_index].length
-                if self._guess(archives[following][0], next_length) is None:  # else read in a batch
-                    next_head = min(next_length, _WINDOW)
-            if head is None:
-                head = _pread_exact(fd, min(length, _WINDOW), offset)
-            head = self._read_archive(fd, offset, length, head, group, planner, next_head)
-            k += 1
+        # Up to _AHEAD segments ahead: batches are read one after another on a thread (two reads at
+        # once interleave and slow a disk down) while the one before is checked and committed here,
+        # so the disk never waits for Python.
+        pending: collections.deque[tuple[Any, Future_ | None]] = collections.deque()
+        position = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-read") as pool:  # one request deep
+            while True:
+                while len(pending) < _AHEAD and position < len(order):
+                    planned = self._plan_batch(order, position, archives, planner)
+                    if planned:
+                        pending.append((planned, pool.submit(read_all, fd, planned)))
+                        position += len(planned)
+                    else:
+                        pending.append((order[position], None))
+                        position += 1
+                if not pending:
+                    return
+                segment, reading = pending.popleft()
+                if reading is not None:
+                    reading.result()
+                    self._finish_batch(fd, segment, planner)
+                else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
+                    group = archives[segment]
+                    length = self.storage_data[group[0].storage_index].length
+                    self._read_archive(fd, segment, length, group, planner)
 
     def _plan_batch(
         self, order: list[int], k: int, archives: dict[int, list[ReadItem]], planner: LoadPlanner
@@ -340,16 +348,15 @@ class RawFileSystemReader(FileSystemReader):
             end = offset + length
         return planned
 
-    def _read_batch(self, fd: int, planned: list[Planned], planner: LoadPlanner) -> None:
-        read_all(fd, planned)
+    def _finish_batch(self, fd: int, planned: list[Planned], planner: LoadPlanner) -> None:
+        """Check each archive of a batch read already (its layout, its CRC32), then commit it."""
         for p in planned:
-            if not p.as_guessed():  # same length, another layout: read it again, in full
-                head = _pread_exact(fd, min(p.length, _WINDOW), p.offset)
-                self._read_archive(fd, p.offset, p.length, head, p.items, planner, 0)
+            if not p.as_guessed():  # another layout than the guess: read it again, in full
+                self._read_archive(fd, p.offset, p.length, p.items, planner)
                 continue
             info = self.storage_data[p.items[0].storage_index]
             segment = self._segment(p.items[0])
-            if segment is not None and crc32(p.tail, crc32(p.data, crc32(p.prefix))) != segment.crc:
+            if segment is not None and p.checksum() != segment.crc:
                 raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
             for item, target in zip(p.items, p.targets, strict=True):
                 if not p.straight:
@@ -371,16 +378,10 @@ class RawFileSystemReader(FileSystemReader):
         planner.load_bytes(item, io.BytesIO(data))
 
     def _read_archive(
-        self,
-        fd: int,
-        offset: int,
-        length: int,
-        head: bytes,
-        items: list[ReadItem],
-        planner: LoadPlanner,
-        next_head: int,
-    ) -> bytes | None:
-        """Read one tensor archive into every item it feeds; the next archive's head (or None)."""
+        self, fd: int, offset: int, length: int, items: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        """Read one tensor archive into every item it feeds, parsing and checking all of it."""
+        head = _pread_exact(fd, min(length, _WINDOW), offset)
         info = self.storage_data[items[0].storage_index]
         where = (Path(self.path) / info.relative_path, info.offset)
         segment = self._segment(items[0])
@@ -397,20 +398,17 @@ class RawFileSystemReader(FileSystemReader):
         else:
             storage = torch.empty(record.size, dtype=torch.uint8)
             data = _bytes_of(storage)
-        following = tail = b""
+        tail = b""
         begin, end = record.start, record.start + record.size
         if begin > len(head):  # data.pkl larger than the head: read this archive the slow way
             archive.read_into(record, data)
-            next_head = 0
         else:
             in_head = min(end, len(head)) - begin
             data[:in_head] = head[begin : begin + in_head]
             rest = bytearray(length - max(end, len(head)))
-            following_buffer = bytearray(next_head)
-            preadv_exact(fd, [data[in_head:], rest, following_buffer], offset + len(head))
+            preadv_exact(fd, [data[in_head:], rest], offset + len(head))
             tail = head[end:] + bytes(rest) if len(head) > end else bytes(rest)
             archive.set_tail(end, tail)
-            following = bytes(following_buffer)
         # The central directory must agree with the walk (a tail laid out as that of an archive of
         # the same shape, checked already, does).
         agrees = shape is not None and shape.matches_tail(tail)
@@ -433,7 +431,6 @@ class RawFileSystemReader(FileSystemReader):
             if not straight:
                 _place(storage, layout, item, target)
             planner.commit_tensor(item, target)
-        return following if next_head else None
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

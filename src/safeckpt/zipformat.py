@@ -71,10 +71,13 @@ def _write_record(stream: IO[bytes], start: int, name: bytes, data: memoryview) 
 
 
 def _write_data(stream: IO[bytes], data: memoryview) -> int:
-    """Write a record's bytes; their CRC32."""
+    """Write a record's bytes; their CRC32 (0 into a :class:`_Recording`, which keeps no large data)."""
     if len(data) < _SMALL:
         stream.write(data)
         return crc32(data)
+    if isinstance(stream, _Recording):  # a template masks or patches this CRC: do not compute it
+        stream.skip(len(data))
+        return 0
     # Checksum a chunk, then write it while it is still in cache: on a disk-bound write the
     # checksum then costs next to nothing. (A helper thread checksumming in parallel was slower
     # on 2 cores: it took the CPU the kernel's writeback needs.)
@@ -165,10 +168,17 @@ class _Recording:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        kept = bytes(view) if len(view) < _SMALL else None
-        self._parts.append((self._position, kept, len(view)))
+        if len(view) >= _SMALL:
+            return self.skip(len(view))
+        self._parts.append((self._position, bytes(view), len(view)))
         self._position += len(view)
         return len(view)
+
+    def skip(self, n: int) -> int:
+        """Count ``n`` bytes without reading them (a tensor's: nothing reads them back)."""
+        self._parts.append((self._position, None, n))
+        self._position += n
+        return n
 
     def tell(self) -> int:
         return self._position
