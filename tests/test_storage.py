@@ -377,8 +377,10 @@ def test_an_archive_whose_directory_differs_from_its_shape_is_parsed_and_refused
         torch.zeros(0),
         torch.tensor(3.0),
         torch.arange(10, dtype=torch.int8),
+        torch.randn(16_370),  # a record just under the size written on its own, with headers over it
+        torch.randn(16_384),  # exactly that size
     ],
-    ids=["small", "large", "empty", "0-dim", "int8"],
+    ids=["small", "large", "empty", "0-dim", "int8", "just-under-64k", "64k"],
 )
 def test_an_archive_from_a_template_is_the_archive_written_in_full(
     tensor: torch.Tensor, monkeypatch: pytest.MonkeyPatch

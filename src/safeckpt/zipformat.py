@@ -159,8 +159,8 @@ def _directory_offset(entries: Sequence[_Entry]) -> int:
 
 
 class _Recording:
-    """A write stream that keeps in memory what a template needs: all but the large writes
-    (the tensor's bytes), which it only counts."""
+    """A write stream that keeps in memory what a template needs: everything written, but for
+    the bytes of large records, which :func:`_write_data` only counts (:meth:`skip`)."""
 
     def __init__(self) -> None:
         self._parts: list[tuple[int, bytes | None, int]] = []  # (position, bytes or None, length)
@@ -168,8 +168,6 @@ class _Recording:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if len(view) >= _SMALL:
-            return self.skip(len(view))
         self._parts.append((self._position, bytes(view), len(view)))
         self._position += len(view)
         return len(view)
