@@ -463,3 +463,32 @@ def test_a_tensor_saved_with_other_strides_than_the_metadata_suggests_is_read_ag
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(loaded["t"], state["t"]) and torch.equal(loaded["c"], state["c"])
     assert wrong.count(True) == 1, wrong
+
+
+def test_prefetch_asks_the_kernel_for_the_ranks_shard_and_leaves_anything_else_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore starts the disk on this rank's shard while it plans: a hint, never an error."""
+    import threading
+    import time
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    save_raw(sample(), tmp_path)
+    shard = tmp_path / "__0_0.distcp"
+    advised: list[tuple[int, int, str, int]] = []
+    done = threading.Event()
+
+    def recording(fd: int, offset: int, length: int, advice: str) -> None:
+        advised.append((offset, length, advice, os.fstat(fd).st_ino))
+        done.set()
+
+    monkeypatch.setattr(storage, "_advise", recording)
+    storage.prefetch(tmp_path, 0, limit=100)
+    assert done.wait(10), "no read-ahead was asked for"
+    assert advised == [(0, min(100, shard.stat().st_size), "POSIX_FADV_WILLNEED", shard.stat().st_ino)]
+    os.mkfifo(tmp_path / "__1_0.distcp")  # a FIFO is never opened for reading (it would block)
+    storage.prefetch(tmp_path, 1)
+    storage.prefetch(tmp_path, 7)  # no such rank's file
+    time.sleep(0.2)
+    assert len(advised) == 1

@@ -216,7 +216,6 @@ class _ArchiveWriter:
     def __init__(self, *, version: bytes | None = None, templates: _TemplateCache | None = None) -> None:
         self._version = version
         self._templates = _templates if templates is None else templates
-        self._pickled: dict[tuple[Any, ...], list[tuple[str, bytes | None]]] = {}
 
     def write(self, stream: IO[bytes], tensor: torch.Tensor) -> int:
         """Write ``tensor`` at the stream's position; return the archive's length.
@@ -245,20 +244,10 @@ class _ArchiveWriter:
 
     def _records(self, tensor: torch.Tensor) -> list[tuple[str, memoryview]]:
         """What ``torch.serialization._save`` writes for ``tensor``: data.pkl, markers, the storage."""
-        key = _layout_key(tensor)
-        cached = self._pickled.get(key) if key is not None else None
-        if cached is None:
-            assert _torch_save_records is not None
-            recorder = _Records()
-            _torch_save_records(tensor, recorder, pickle, 2, False)
-            if key is not None:
-                self._pickled[key] = [
-                    (name, None if name.startswith("data/") else bytes(data))
-                    for name, data in recorder.records
-                ]
-            return recorder.records
-        storage = _bytes_of(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
-        return [(name, storage if data is None else memoryview(data)) for name, data in cached]
+        assert _torch_save_records is not None
+        recorder = _Records()
+        _torch_save_records(tensor, recorder, pickle, 2, False)
+        return recorder.records
 
 
 def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
@@ -417,12 +406,7 @@ class _Archive:
     def read_into(self, record: _Record, view: memoryview) -> None:
         if len(view) != record.size or record.start + record.size > self._length:
             raise ValueError("destination size differs from the stored tensor")
-        position = self._start + record.start
-        while view:
-            n = os.preadv(self._fd, [view], position)
-            if n == 0:
-                raise EOFError("the checkpoint file is shorter than its metadata says")
-            view, position = view[n:], position + n
+        preadv_exact(self._fd, [view], self._start + record.start)
 
 
 @dataclass(frozen=True)
@@ -445,6 +429,20 @@ class _ArchiveShape:
 
     def matches_tail(self, tail: bytes) -> bool:
         return len(tail) == len(self.template) and _masked(tail, self.masks) == self.template
+
+
+def preadv_exact(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    """Fill every buffer from ``offset`` on, in order, with as few ``preadv`` calls as the kernel allows."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise EOFError("the checkpoint file is shorter than its metadata says")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
 
 
 def _named(records: dict[str, _Record], name: str) -> _Record | None:

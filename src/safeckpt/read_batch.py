@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from .archive import _ArchiveShape, _bytes_of
+from .archive import _ArchiveShape, _bytes_of, preadv_exact
 from .integrity import crc32
 
-__all__ = ["Planned", "preadv_exact", "read_all"]
+__all__ = ["Planned", "read_all"]
 
 BATCH_BYTES = 64 << 20  # one request: the kernel splits it into the disk's largest requests
 _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -78,17 +78,3 @@ def read_all(fd: int, planned: Sequence[Planned]) -> None:
     for p in planned:
         buffers += [p.prefix, p.data, p.tail]
     preadv_exact(fd, buffers, planned[0].offset)
-
-
-def preadv_exact(fd: int, buffers: Sequence[Any], offset: int) -> None:
-    """Fill every buffer from ``offset`` on, in order, with as few ``preadv`` calls as the kernel allows."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise EOFError("the checkpoint file is shorter than its metadata says")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views.pop(0))
-        if n:
-            views[0] = views[0][n:]

@@ -72,11 +72,12 @@ from .archive import (
     _StorageInfo,
     _StoragePrefix,
     expected_shape,
+    preadv_exact,
     raw_path_available,
 )
 from .direct_io import DirectFileWriter
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
-from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, preadv_exact, read_all
+from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, read_all
 from .zipformat import _ChecksummedStream
 
 logger = logging.getLogger(__name__)
