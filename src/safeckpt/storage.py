@@ -18,7 +18,9 @@ and the file goes to disk through :class:`~safeckpt.direct_io.DirectFileWriter`
 whose shape it can guess with one large ``preadv``
 (:mod:`safeckpt.read_batch`), the others one request each, and each tensor's
 bytes straight into the destination tensor when their layouts agree,
-otherwise into one fresh buffer that it copies from, as DCP does. ``data.pkl``
+otherwise into one fresh buffer that it copies from, as DCP does; a cold file
+with ``O_DIRECT`` (:mod:`safeckpt.direct_read`), the bytes copied into place
+while the next batch is read. ``data.pkl``
 is unpickled with torch's weights-only unpickler, the one
 ``torch.load(weights_only=True)`` uses, so nothing from the file can run code.
 
@@ -76,8 +78,9 @@ from .archive import (
     raw_path_available,
 )
 from .direct_io import DirectFileWriter
+from .direct_read import DirectFileReader
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
-from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, read_all
+from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, place, read_all
 from .zipformat import _ChecksummedStream
 
 logger = logging.getLogger(__name__)
@@ -299,14 +302,19 @@ class RawFileSystemReader(FileSystemReader):
         # Up to _AHEAD segments ahead: batches are read one after another on a thread (two reads at
         # once interleave and slow a disk down) while the one before is checked and committed here,
         # so the disk never waits for Python.
+        # A cold file is read with O_DIRECT (direct_read), the bytes copied out of its buffers here.
         pending: collections.deque[tuple[Any, Future_ | None]] = collections.deque()
         position = 0
-        with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-read") as pool:  # one request deep
+        direct = DirectFileReader.for_file(fd, order[0], BATCH_BYTES) if order else None
+        with contextlib.ExitStack() as stack:
+            if direct is not None:
+                stack.callback(direct.close)  # after the pool below has stopped reading
+            pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="safeckpt-read"))
             while True:
                 while len(pending) < _AHEAD and position < len(order):
                     planned = self._plan_batch(order, position, archives, planner)
                     if planned:
-                        pending.append((planned, pool.submit(read_all, fd, planned)))
+                        pending.append((planned, pool.submit(read_all, fd, planned, direct)))
                         position += len(planned)
                     else:
                         pending.append((order[position], None))
@@ -315,7 +323,9 @@ class RawFileSystemReader(FileSystemReader):
                     return
                 segment, reading = pending.popleft()
                 if reading is not None:
-                    reading.result()
+                    staged = reading.result()
+                    if staged is not None:
+                        place(staged, segment)
                     self._finish_batch(fd, segment, planner)
                 else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
                     group = archives[segment]
@@ -603,7 +613,9 @@ def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> None:
     """Ask the kernel to start reading the first ``limit`` bytes of ``rank``'s shard file now.
 
     A restore spends tens of milliseconds (record, metadata, DCP's planning)
-    before it reads a tensor; the disk can work meanwhile. On a thread:
+    before it reads a tensor; the disk can work meanwhile. Not for a file the
+    reader will read with ``O_DIRECT``: pages in the cache would turn it back to
+    buffered reads. On a thread:
     ``POSIX_FADV_WILLNEED`` may block while it queues the reads. A hint: a file
     that is missing, not regular, or on a platform without ``posix_fadvise`` is
     left alone, and the read that follows checks everything as always.
@@ -614,12 +626,23 @@ def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> None:
         with contextlib.suppress(Exception):
             fd, info = open_regular(path)
             try:
+                if _reads_direct(fd):
+                    return  # read-ahead into the page cache would make the reader take the slow way
                 _advise(fd, 0, min(info.st_size, limit), "POSIX_FADV_WILLNEED")
             finally:
                 os.close(fd)
 
     if hasattr(os, "posix_fadvise"):
         threading.Thread(target=run, name="safeckpt-prefetch", daemon=True).start()
+
+
+def _reads_direct(fd: int) -> bool:
+    """Whether the reader will read the file open at ``fd`` with ``O_DIRECT`` (it is cold)."""
+    reader = DirectFileReader.for_file(fd, 0, 0)
+    if reader is None:
+        return False
+    reader.close()
+    return True
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:

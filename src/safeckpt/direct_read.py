@@ -1,0 +1,226 @@
+"""Large reads of a cold file with ``O_DIRECT``, into aligned buffers the caller copies out of.
+
+A buffered read of a file that is not in the page cache goes through the
+kernel's readahead, a few MiB ahead of the reader: on the disks we measured
+a cold 1 GiB ``readv`` took 0.5 to 1.5 s, where 64 MiB ``O_DIRECT`` reads of
+the same file took 0.52 to 0.57 s, run after run (``docs/performance.md``,
+the read limit's strategies). One such request is split by the kernel into
+the disk's largest requests and queued at once, and nothing is copied into
+the page cache. The bytes land in a page-aligned buffer (``O_DIRECT`` wants
+aligned addresses, offsets and lengths, and an archive's data is only 64-byte
+aligned), which the caller copies into the tensors on its own thread while
+the next read runs.
+
+A file whose first bytes are already in the page cache (written without
+``O_DIRECT``, read moments ago) is read the buffered way, which is then a
+memory copy; so is every file where ``O_DIRECT`` is refused (at open, or
+with ``EINVAL`` at the first read: FUSE, tmpfs) or turned off with
+``SAFECKPT_DIRECT_IO=0``. Which path ran never changes the bytes: the caller
+checks every CRC32 either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import queue
+from typing import Any
+
+import numpy as np
+
+from .direct_io import direct_io_enabled
+
+__all__ = ["DirectFileReader", "Staged"]
+
+ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to, on the filesystems we know
+_BUFFERS = 3  # one being read, one being copied out of, one spare
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_GIL_FREE = 64 << 10  # larger copies out of a buffer release the GIL
+
+
+class Staged:
+    """The bytes ``[offset, offset + length)`` of the file, in a buffer of the reader's.
+
+    :meth:`copy_into` hands them out; :meth:`release` gives the buffer back
+    (call it once, after the last copy).
+    """
+
+    def __init__(self, reader: DirectFileReader, buffer: mmap.mmap, skip: int, length: int) -> None:
+        self._reader = reader
+        self._buffer: mmap.mmap | None = buffer
+        self.view = memoryview(buffer)[skip : skip + length]
+
+    def copy_into(self, targets: list[Any]) -> None:
+        """Fill each of ``targets`` (writable buffers, in file order) with the next bytes staged."""
+        position = 0
+        for target in targets:
+            out = memoryview(target).cast("B")
+            n = len(out)
+            if n >= _GIL_FREE:  # numpy's copy releases the GIL: the training or reading thread runs
+                np.copyto(
+                    np.frombuffer(out, dtype=np.uint8),
+                    np.frombuffer(self.view[position : position + n], np.uint8),
+                )
+            else:
+                out[:] = self.view[position : position + n]
+            position += n
+        if position != len(self.view):
+            raise ValueError(f"staged {len(self.view)} bytes, the targets hold {position}")
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self.view.release()
+            self._reader._give_back(self._buffer)
+            self._buffer = None
+
+
+class DirectFileReader:
+    """``O_DIRECT`` reads of the file open at ``fd``, up to ``max_bytes`` each.
+
+    :meth:`for_file` says whether to read this way at all (None: read buffered).
+    :meth:`read` may be called from one thread at a time, while other threads
+    copy out of what it returned before; at most ``_BUFFERS`` reads may be
+    unreleased at once (the next read waits for one).
+    """
+
+    def __init__(self, direct_fd: int, max_bytes: int) -> None:
+        self._fd = direct_fd
+        self.capacity = max_bytes  # the most one read returns
+        self._size = -(-(max_bytes + 2 * ALIGN) // ALIGN) * ALIGN  # a range rounded out at both ends
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._owned: list[mmap.mmap] = []
+        self.refused = False  # O_DIRECT failed at the first read: the caller reads buffered from now on
+        self._read_once = False
+
+    @classmethod
+    def for_file(cls, fd: int, probe_offset: int, max_bytes: int) -> DirectFileReader | None:
+        """A reader for the file open at ``fd``, or None where buffered reads are the better choice.
+
+        None when ``O_DIRECT`` is off or missing, when the page at
+        ``probe_offset`` is in the page cache already (the file is warm), or
+        when the filesystem refuses ``O_DIRECT`` at open. The new descriptor
+        is opened through ``/proc/self/fd``: it is the same file as ``fd``
+        (checked), never whatever is at the path now.
+        """
+        if not direct_io_enabled() or _cached(fd, probe_offset):
+            return None
+        try:
+            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
+        except OSError:
+            return None  # refused, or no /proc: the buffered reader needs neither
+        same = os.fstat(direct_fd), os.fstat(fd)
+        if (same[0].st_dev, same[0].st_ino) != (same[1].st_dev, same[1].st_ino):
+            os.close(direct_fd)
+            return None
+        return cls(direct_fd, max_bytes)
+
+    def read(self, offset: int, length: int) -> Staged | None:
+        """The bytes ``[offset, offset + length)``, or None if the filesystem refused (then ``refused``)."""
+        if self.refused:
+            return None
+        start = offset - offset % ALIGN
+        end = -(-(offset + length) // ALIGN) * ALIGN
+        if length > self.capacity:
+            raise ValueError(f"a direct read of {length} bytes is larger than this reader's {self.capacity}")
+        buffer = self._take()
+        try:
+            got = self._read_into(memoryview(buffer)[: end - start], start)
+        except OSError as e:
+            self._give_back(buffer)
+            if e.errno in _REFUSED and not self._read_once:
+                self.refused = True  # open took O_DIRECT, the read did not (FUSE): buffered from now on
+                return None
+            raise
+        except BaseException:
+            self._give_back(buffer)
+            raise
+        self._read_once = True
+        if got < offset + length - start:
+            self._give_back(buffer)
+            raise EOFError("the checkpoint file is shorter than its metadata says")
+        return Staged(self, buffer, offset - start, length)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        for buffer in self._owned:
+            with contextlib.suppress(BufferError):  # still staged after an error: freed when collected
+                buffer.close()
+        self._owned.clear()
+
+    def __enter__(self) -> DirectFileReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _read_into(self, view: memoryview, offset: int) -> int:
+        """Aligned reads until ``view`` is full or the file ends; the bytes read."""
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                break  # end of file: the rounded-up end lies past it
+            done += n
+            if done % ALIGN:
+                break  # a short, unaligned read happens only at the end of the file
+        return done
+
+    def _take(self) -> mmap.mmap:
+        with contextlib.suppress(queue.Empty):
+            return self._free.get_nowait()  # a buffer given back: its pages are mapped already
+        if len(self._owned) < _BUFFERS:
+            buffer = mmap.mmap(-1, self._size)  # anonymous mappings are page-aligned
+            self._owned.append(buffer)
+            return buffer
+        return self._free.get()
+
+    def _give_back(self, buffer: mmap.mmap) -> None:
+        self._free.put(buffer)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the page at ``offset`` is in the page cache, asked without reading it (``mincore``).
+
+    A read with ``RWF_NOWAIT`` would tell as well, but it starts the kernel's
+    readahead when the page is missing, so the next question gets another answer.
+    Where it cannot be asked (no ``mincore``, an empty file), the answer is yes:
+    buffered reads are right either way.
+    """
+    if _mincore is None:
+        return True
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, offset - start + 1, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, ValueError):
+        return True
+    first = ctypes.c_char.from_buffer(mapped)  # mapping faults nothing in: no page is read
+    try:
+        pages = -(-(offset - start + 1) // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        if (
+            _mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(offset - start + 1), vector)
+            != 0
+        ):
+            return True
+        return bool(vector[pages - 1] & 1)
+    finally:
+        del first  # the mapping cannot close while a ctypes object points into it
+        mapped.close()
+
+
+def _libc_mincore() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    function.restype = ctypes.c_int
+    return function
+
+
+_mincore = _libc_mincore()

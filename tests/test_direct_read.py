@@ -1,0 +1,238 @@
+"""O_DIRECT reads of cold files: the same bytes as a buffered read, fallbacks, and restores through them."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from safeckpt import CheckpointManager, Retention, direct_read, read_batch, storage
+from safeckpt.direct_read import DirectFileReader
+from safeckpt.errors import CorruptCheckpointError
+
+MIB = 1 << 20
+
+
+def _cold_file(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _evict(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@pytest.fixture
+def cold(tmp_path: Path) -> tuple[Path, bytes]:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    data = os.urandom(3 * MIB + 123)
+    _cold_file(tmp_path / "f", data)
+    return tmp_path / "f", data
+
+
+def _reader(path: Path, capacity: int = MIB) -> tuple[int, DirectFileReader]:
+    fd = os.open(path, os.O_RDONLY)
+    reader = DirectFileReader.for_file(fd, 0, capacity)
+    assert reader is not None, "the disk here takes O_DIRECT: the fast path must run (else nothing tests it)"
+    return fd, reader
+
+
+def test_unaligned_ranges_come_back_exact(cold: tuple[Path, bytes]) -> None:
+    path, data = cold
+    fd, reader = _reader(path)
+    with reader:
+        for offset, length in [
+            (0, 1),
+            (1, 4095),
+            (4095, 2),
+            (12345, MIB),
+            (len(data) - 10, 10),
+            (len(data), 0),
+        ]:
+            staged = reader.read(offset, length)
+            assert staged is not None
+            out = bytearray(length)
+            staged.copy_into([out])
+            staged.release()
+            assert bytes(out) == data[offset : offset + length], (offset, length)
+    os.close(fd)
+
+
+def test_copies_split_across_targets_and_a_size_mismatch_is_refused(cold: tuple[Path, bytes]) -> None:
+    path, data = cold
+    fd, reader = _reader(path)
+    with reader:
+        staged = reader.read(100, 300_000)
+        assert staged is not None
+        parts = [bytearray(7), bytearray(200_000), bytearray(99_993)]  # one above the GIL-free size
+        staged.copy_into(parts)
+        assert b"".join(parts) == data[100:300_100]
+        with pytest.raises(ValueError, match="staged"):
+            staged.copy_into([bytearray(5)])
+        staged.release()
+    os.close(fd)
+
+
+def test_past_the_end_and_too_large_are_errors(cold: tuple[Path, bytes]) -> None:
+    path, data = cold
+    fd, reader = _reader(path)
+    with reader:
+        with pytest.raises(EOFError):
+            reader.read(len(data) - 5, 10)
+        with pytest.raises(ValueError, match="larger"):
+            reader.read(0, MIB + 1)
+        assert reader.read(0, 10) is not None  # the buffers went back after each error
+    os.close(fd)
+
+
+def test_buffers_are_reused(cold: tuple[Path, bytes]) -> None:
+    path, _ = cold
+    fd, reader = _reader(path)
+    with reader:
+        for k in range(10):
+            staged = reader.read(k * 4096, 4096)
+            assert staged is not None
+            staged.release()
+        assert len(reader._owned) == 1
+    os.close(fd)
+
+
+def test_a_warm_file_is_read_buffered(cold: tuple[Path, bytes]) -> None:
+    path, data = cold
+    assert path.read_bytes() == data  # now in the page cache
+    fd = os.open(path, os.O_RDONLY)
+    assert DirectFileReader.for_file(fd, 0, MIB) is None
+    os.close(fd)
+
+
+def test_switched_off_by_the_environment(cold: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = cold
+    monkeypatch.setenv("SAFECKPT_DIRECT_IO", "0")
+    fd = os.open(path, os.O_RDONLY)
+    assert DirectFileReader.for_file(fd, 0, MIB) is None
+    os.close(fd)
+
+
+def test_refused_at_the_first_read_then_buffered(
+    cold: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FUSE takes O_DIRECT at open and refuses the read: the reader says so; later failures are raised."""
+    path, _ = cold
+    fd, reader = _reader(path)
+    real = os.preadv
+    failing = {"errno": errno.EINVAL}
+
+    def preadv(fd_: int, buffers: list, offset: int, *flags: int) -> int:
+        if fd_ == reader._fd and failing["errno"]:
+            raise OSError(failing["errno"], "refused")
+        return real(fd_, buffers, offset, *flags)
+
+    monkeypatch.setattr(direct_read.os, "preadv", preadv)
+    with reader:
+        assert reader.read(0, 10) is None and reader.refused
+        assert reader.read(0, 10) is None
+    os.close(fd)
+    fd, reader = _reader(path)
+    with reader:
+        failing["errno"] = 0
+        assert reader.read(0, 10) is not None
+        failing["errno"] = errno.EINVAL  # after a read that worked, EINVAL is an error, not a refusal
+        with pytest.raises(OSError):
+            reader.read(0, 10)
+    os.close(fd)
+
+
+# --- restores through the direct path ----------------------------------------------------------
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {
+        "big": torch.randn(6 * MIB),  # 24 MiB: streamed when the batches are 8 MiB
+        "mid": torch.randn(1 * MIB, dtype=torch.float64),
+        "small": [torch.randn(333) for _ in range(20)],
+        "ints": torch.randint(-9, 9, (3 * MIB + 1,), dtype=torch.int32),
+    }
+
+
+def _zeros(state: dict) -> dict:
+    return {
+        k: [torch.zeros_like(x) for x in v] if isinstance(v, list) else torch.zeros_like(v)
+        for k, v in state.items()
+    }
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(
+        all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True))
+        if isinstance(a[k], list)
+        else torch.equal(a[k], b[k])
+        for k in a
+    )
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    reads: list[int] = []
+    real = DirectFileReader.read
+
+    def read(self: DirectFileReader, offset: int, length: int) -> object:
+        reads.append(length)
+        return real(self, offset, length)
+
+    monkeypatch.setattr(DirectFileReader, "read", read)
+    monkeypatch.setattr(storage, "BATCH_BYTES", 8 * MIB)
+    monkeypatch.setattr(read_batch, "BATCH_BYTES", 8 * MIB)
+    return reads
+
+
+def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list[int]) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    state = _state()
+    with CheckpointManager(tmp_path / "run", async_save=False, retention=Retention(keep_last=2)) as mgr:
+        mgr.save(1, {"model": state})
+    _evict(tmp_path / "run")
+    target = _zeros(state)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        result = mgr.restore({"model": target})
+    assert result.step == 1
+    assert _equal(target, state)
+    assert counted, "the cold shard was not read with O_DIRECT"
+    assert max(counted) <= 8 * MIB and sum(counted) >= 24 * MIB  # the large tensor went through in pieces
+
+
+def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: list[int]) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    state = _state()
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"model": state})
+    shard = next((tmp_path / "run").rglob("__0_0.distcp"))
+    fd = os.open(shard, os.O_RDWR)
+    try:
+        middle = shard.stat().st_size // 3  # inside the large tensor's bytes
+        byte = os.pread(fd, 1, middle)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), middle)
+    finally:
+        os.close(fd)
+    _evict(tmp_path / "run")
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore({"model": _zeros(state)}, step=1)
+    assert counted
