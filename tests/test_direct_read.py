@@ -236,3 +236,34 @@ def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: li
     with CheckpointManager(tmp_path / "run", async_save=False) as mgr, pytest.raises(CorruptCheckpointError):
         mgr.restore({"model": _zeros(state)}, step=1)
     assert counted
+
+
+def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read-ahead into the page cache would make the restore read the shard buffered: none is asked."""
+    import threading
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"model": _state()})
+    directory = next((tmp_path / "run").rglob("__0_0.distcp")).parent
+    _evict(directory)
+    advised: list[str] = []
+    monkeypatch.setattr(storage, "_advise", lambda fd, offset, length, advice: advised.append(advice))
+    decided = threading.Event()
+    real = storage._reads_direct
+    monkeypatch.setattr(storage, "_reads_direct", lambda fd: (real(fd), decided.set())[0])
+    storage.prefetch(directory, 0)
+    assert decided.wait(10)
+    assert advised == []
+    (directory / "__0_0.distcp").read_bytes()  # warm now: the prefetch asks for read-ahead again
+    decided.clear()
+    storage.prefetch(directory, 0)
+    assert decided.wait(10)
+    for _ in range(100):
+        if advised:
+            break
+        threading.Event().wait(0.01)
+    assert advised == ["POSIX_FADV_WILLNEED"]
