@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -242,15 +243,14 @@ class WriteLimit:
         assert self._aligned is not None
         fd = self._open(path, os.O_DIRECT)
         try:
-            chunks = list(enumerate(_chunks([self._aligned], size)))
+            chunks = _shared(list(enumerate(_chunks([self._aligned], size))))
 
-            def write(part: list[tuple[int, memoryview]]) -> None:
-                for k, chunk in part:
+            def write(_: object) -> None:
+                while (job := chunks()) is not None:
+                    k, chunk = job
                     transfer([chunk], lambda batch, done, k=k: os.pwrite(fd, batch[0], k * size + done))
 
-            in_threads(
-                write, [chunks[i::threads] for i in range(threads)]
-            )  # alternate chunks: both in flight
+            in_threads(write, [None] * threads)  # each thread takes the next chunk: writes stay adjacent
         finally:
             _fsync_close(fd)
 
@@ -292,11 +292,23 @@ def direct_refused(scratch: Scratch) -> str:
     return ""
 
 
-def in_threads(work: Callable[[list], None], parts: list[list]) -> None:
+def _shared(jobs: list[Any]) -> Callable[[], Any]:
+    """A function handing out ``jobs`` in order to whichever thread asks next; None when none is left."""
+    lock = threading.Lock()
+    pending = deque(jobs)
+
+    def take() -> Any:
+        with lock:
+            return pending.popleft() if pending else None
+
+    return take
+
+
+def in_threads(work: Callable[[Any], None], parts: Sequence[Any]) -> None:
     """``work(part)`` for every part, each on its own thread; the first error is raised here."""
     errors: list[BaseException] = []
 
-    def run(part: list) -> None:
+    def run(part: Any) -> None:
         try:
             work(part)
         except BaseException as exc:  # re-raised on the calling thread below
@@ -494,17 +506,17 @@ class ReadLimit:
             os.close(fd)
 
     def _direct_two_threads(self) -> None:
-        """Two threads, alternate 16 MiB chunks, each reading into its buffer and copying out."""
+        """Two threads, each taking the next 16 MiB chunk, reading it into its buffer and copying it out."""
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         try:
-            chunks = self._direct_chunks(16 * MIB)
+            chunks = _shared(self._direct_chunks(16 * MIB))
 
-            def read(part: tuple[memoryview, list[tuple[int, list[memoryview]]]]) -> None:
-                staging, mine = part
-                for offset, targets in mine:
+            def read(staging: memoryview) -> None:
+                while (job := chunks()) is not None:
+                    offset, targets = job
                     _copy_out(self._direct_read(fd, staging, offset, sum(map(len, targets))), targets)
 
-            in_threads(read, [(self._staging[i], chunks[i::2]) for i in range(2)])  # type: ignore[arg-type]
+            in_threads(read, self._staging)  # each thread takes the next chunk: the reads stay adjacent
         finally:
             os.close(fd)
 
