@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from safeckpt import CheckpointManager, Retention, direct_read, read_batch, storage
+from safeckpt import CheckpointManager, Retention, direct_read, storage
 from safeckpt.direct_read import DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
 
@@ -46,9 +46,9 @@ def cold(tmp_path: Path) -> tuple[Path, bytes]:
     return tmp_path / "f", data
 
 
-def _reader(path: Path, capacity: int = MIB) -> tuple[int, DirectFileReader]:
+def _reader(path: Path) -> tuple[int, DirectFileReader]:
     fd = os.open(path, os.O_RDONLY)
-    reader = DirectFileReader.for_file(fd, 0, capacity)
+    reader = DirectFileReader.for_file(fd, 0)
     assert reader is not None, "the disk here takes O_DIRECT: the fast path must run (else nothing tests it)"
     return fd, reader
 
@@ -96,7 +96,7 @@ def test_past_the_end_and_too_large_are_errors(cold: tuple[Path, bytes]) -> None
         with pytest.raises(EOFError):
             reader.read(len(data) - 5, 10)
         with pytest.raises(ValueError, match="larger"):
-            reader.read(0, MIB + 1)
+            reader.read(0, DirectFileReader.capacity + 1)
         assert reader.read(0, 10) is not None  # the buffers went back after each error
     os.close(fd)
 
@@ -117,7 +117,7 @@ def test_a_warm_file_is_read_buffered(cold: tuple[Path, bytes]) -> None:
     path, data = cold
     assert path.read_bytes() == data  # now in the page cache
     fd = os.open(path, os.O_RDONLY)
-    assert DirectFileReader.for_file(fd, 0, MIB) is None
+    assert DirectFileReader.for_file(fd, 0) is None
     os.close(fd)
 
 
@@ -125,7 +125,7 @@ def test_switched_off_by_the_environment(cold: tuple[Path, bytes], monkeypatch: 
     path, _ = cold
     monkeypatch.setenv("SAFECKPT_DIRECT_IO", "0")
     fd = os.open(path, os.O_RDONLY)
-    assert DirectFileReader.for_file(fd, 0, MIB) is None
+    assert DirectFileReader.for_file(fd, 0) is None
     os.close(fd)
 
 
@@ -164,7 +164,7 @@ def test_refused_at_the_first_read_then_buffered(
 def _state() -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     return {
-        "big": torch.randn(6 * MIB),  # 24 MiB: streamed when the batches are 8 MiB
+        "big": torch.randn(6 * MIB),  # 24 MiB: more than one buffer, streamed through them
         "mid": torch.randn(1 * MIB, dtype=torch.float64),
         "small": [torch.randn(333) for _ in range(20)],
         "ints": torch.randint(-9, 9, (3 * MIB + 1,), dtype=torch.int32),
@@ -197,8 +197,6 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(self, offset, length)
 
     monkeypatch.setattr(DirectFileReader, "read", read)
-    monkeypatch.setattr(storage, "BATCH_BYTES", 8 * MIB)
-    monkeypatch.setattr(read_batch, "BATCH_BYTES", 8 * MIB)
     return reads
 
 
@@ -215,7 +213,8 @@ def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list
     assert result.step == 1
     assert _equal(target, state)
     assert counted, "the cold shard was not read with O_DIRECT"
-    assert max(counted) <= 8 * MIB and sum(counted) >= 24 * MIB  # the large tensor went through in pieces
+    assert max(counted) == DirectFileReader.capacity  # the large tensor went through in pieces
+    assert sum(counted) >= 24 * MIB + 4 * MIB + 12 * MIB
 
 
 def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: list[int]) -> None:

@@ -4,12 +4,14 @@ A buffered read of a file that is not in the page cache goes through the
 kernel's readahead, a few MiB ahead of the reader: on the disks we measured
 a cold 1 GiB ``readv`` took 0.5 to 1.5 s, where 64 MiB ``O_DIRECT`` reads of
 the same file took 0.52 to 0.57 s, run after run (``docs/performance.md``,
-the read limit's strategies). One such request is split by the kernel into
-the disk's largest requests and queued at once, and nothing is copied into
-the page cache. The bytes land in a page-aligned buffer (``O_DIRECT`` wants
-aligned addresses, offsets and lengths, and an archive's data is only 64-byte
-aligned), which the caller copies into the tensors on its own thread while
-the next read runs.
+the read limit's strategies; the two flip on some days, so the limit keeps
+both). One such request is split by the kernel into the disk's largest
+requests and queued at once, and nothing is copied into the page cache. The
+bytes land in a page-aligned 16 MiB buffer from the writer's pool
+(:func:`~safeckpt.direct_io.take_buffer`: ``O_DIRECT`` wants aligned
+addresses, offsets and lengths, and an archive's data is only 64-byte
+aligned; a pooled buffer's pages are mapped already), which the caller copies
+into the tensors on its own thread while the next read runs.
 
 A file whose first bytes are already in the page cache (written without
 ``O_DIRECT``, read moments ago) is read the buffered way, which is then a
@@ -27,16 +29,17 @@ import errno
 import mmap
 import os
 import queue
+import threading
 from typing import Any
 
 import numpy as np
 
-from .direct_io import direct_io_enabled
+from .direct_io import BUFFER_BYTES, direct_io_enabled, give_back, take_buffer
 
 __all__ = ["DirectFileReader", "Staged"]
 
 ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to, on the filesystems we know
-_BUFFERS = 3  # one being read, one being copied out of, one spare
+_BUFFERS = 4  # two being read, one being copied out of, one spare
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _GIL_FREE = 64 << 10  # larger copies out of a buffer release the GIL
@@ -79,25 +82,27 @@ class Staged:
 
 
 class DirectFileReader:
-    """``O_DIRECT`` reads of the file open at ``fd``, up to ``max_bytes`` each.
+    """``O_DIRECT`` reads of the file open at ``fd``, up to :attr:`capacity` bytes each.
 
     :meth:`for_file` says whether to read this way at all (None: read buffered).
-    :meth:`read` may be called from one thread at a time, while other threads
-    copy out of what it returned before; at most ``_BUFFERS`` reads may be
-    unreleased at once (the next read waits for one).
+    :meth:`read` may be called from several threads at once (two requests in
+    flight keep the disk busy while a reading thread waits for the GIL), while
+    other threads copy out of what it returned before; at most ``_BUFFERS``
+    reads may be unreleased at once (the next read waits for one).
     """
 
-    def __init__(self, direct_fd: int, max_bytes: int) -> None:
+    capacity = BUFFER_BYTES - 2 * ALIGN  # the most one read returns: a range rounded out at both ends fits
+
+    def __init__(self, direct_fd: int) -> None:
         self._fd = direct_fd
-        self.capacity = max_bytes  # the most one read returns
-        self._size = -(-(max_bytes + 2 * ALIGN) // ALIGN) * ALIGN  # a range rounded out at both ends
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._owned: list[mmap.mmap] = []
+        self._lock = threading.Lock()
         self.refused = False  # O_DIRECT failed at the first read: the caller reads buffered from now on
         self._read_once = False
 
     @classmethod
-    def for_file(cls, fd: int, probe_offset: int, max_bytes: int) -> DirectFileReader | None:
+    def for_file(cls, fd: int, probe_offset: int) -> DirectFileReader | None:
         """A reader for the file open at ``fd``, or None where buffered reads are the better choice.
 
         None when ``O_DIRECT`` is off or missing, when the page at
@@ -116,7 +121,7 @@ class DirectFileReader:
         if (same[0].st_dev, same[0].st_ino) != (same[1].st_dev, same[1].st_ino):
             os.close(direct_fd)
             return None
-        return cls(direct_fd, max_bytes)
+        return cls(direct_fd)
 
     def read(self, offset: int, length: int) -> Staged | None:
         """The bytes ``[offset, offset + length)``, or None if the filesystem refused (then ``refused``)."""
@@ -124,7 +129,7 @@ class DirectFileReader:
             return None
         start = offset - offset % ALIGN
         end = -(-(offset + length) // ALIGN) * ALIGN
-        if length > self.capacity:
+        if length > self.capacity or length < 0:
             raise ValueError(f"a direct read of {length} bytes is larger than this reader's {self.capacity}")
         buffer = self._take()
         try:
@@ -147,9 +152,11 @@ class DirectFileReader:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        for buffer in self._owned:
-            with contextlib.suppress(BufferError):  # still staged after an error: freed when collected
-                buffer.close()
+        while True:  # the buffers given back go to the pool; one still staged (after an error) is dropped
+            try:
+                give_back(self._free.get_nowait())
+            except queue.Empty:
+                break
         self._owned.clear()
 
     def __enter__(self) -> DirectFileReader:
@@ -173,10 +180,11 @@ class DirectFileReader:
     def _take(self) -> mmap.mmap:
         with contextlib.suppress(queue.Empty):
             return self._free.get_nowait()  # a buffer given back: its pages are mapped already
-        if len(self._owned) < _BUFFERS:
-            buffer = mmap.mmap(-1, self._size)  # anonymous mappings are page-aligned
-            self._owned.append(buffer)
-            return buffer
+        with self._lock:
+            if len(self._owned) < _BUFFERS:
+                buffer = take_buffer()
+                self._owned.append(buffer)
+                return buffer
         return self._free.get()
 
     def _give_back(self, buffer: mmap.mmap) -> None:

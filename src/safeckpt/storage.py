@@ -92,7 +92,8 @@ _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: lef
 
 _SUFFIX = ".distcp"
 Future_ = concurrent.futures.Future  # a batch being read
-_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
+_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES, or a
+# direct reader's buffer)
 _PREFETCH = 256 << 20  # what a disk reads while a restore plans: more only competes with the cache
 
 
@@ -299,20 +300,23 @@ class RawFileSystemReader(FileSystemReader):
             else:
                 archives.setdefault(info.offset, []).append(item)
         order = sorted(archives)
-        # Up to _AHEAD segments ahead: batches are read one after another on a thread (two reads at
-        # once interleave and slow a disk down) while the one before is checked and committed here,
-        # so the disk never waits for Python.
-        # A cold file is read with O_DIRECT (direct_read), the bytes copied out of its buffers here.
+        # Up to _AHEAD segments ahead: batches are read one after another on a thread (two buffered
+        # reads at once interleave and slow a disk down) while the one before is checked and committed
+        # here, so the disk never waits for Python. A cold file is read with O_DIRECT (direct_read),
+        # two requests in flight: a reading thread that has to wait for the GIL after its read (up to
+        # the 5 ms switch interval while this thread runs Python) would leave the disk idle meanwhile.
         pending: collections.deque[tuple[Any, Future_ | None]] = collections.deque()
         position = 0
-        direct = DirectFileReader.for_file(fd, order[0], BATCH_BYTES) if order else None
+        direct = DirectFileReader.for_file(fd, order[0]) if order else None
+        batch_bytes = direct.capacity if direct is not None else BATCH_BYTES  # a batch fits a buffer
+        readers, ahead = (2, _AHEAD + 1) if direct is not None else (1, _AHEAD)
         with contextlib.ExitStack() as stack:
             if direct is not None:
                 stack.callback(direct.close)  # after the pool below has stopped reading
-            pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="safeckpt-read"))
+            pool = stack.enter_context(ThreadPoolExecutor(readers, thread_name_prefix="safeckpt-read"))
             while True:
-                while len(pending) < _AHEAD and position < len(order):
-                    planned = self._plan_batch(order, position, archives, planner)
+                while len(pending) < ahead and position < len(order):
+                    planned = self._plan_batch(order, position, archives, planner, batch_bytes)
                     if planned:
                         pending.append((planned, pool.submit(read_all, fd, planned, direct)))
                         position += len(planned)
@@ -333,9 +337,15 @@ class RawFileSystemReader(FileSystemReader):
                     self._read_archive(fd, segment, length, group, planner)
 
     def _plan_batch(
-        self, order: list[int], k: int, archives: dict[int, list[ReadItem]], planner: LoadPlanner
+        self,
+        order: list[int],
+        k: int,
+        archives: dict[int, list[ReadItem]],
+        planner: LoadPlanner,
+        batch_bytes: int,
     ) -> list[Planned]:
-        """The run of consecutive archives from ``order[k]`` whose shapes are known (maybe none)."""
+        """The run of consecutive archives from ``order[k]`` whose shapes are known (maybe none), of
+        at most ``batch_bytes`` unless its first archive alone is larger."""
         planned: list[Planned] = []
         size = 0
         end: int | None = None
@@ -345,7 +355,7 @@ class RawFileSystemReader(FileSystemReader):
             shape = self._guess(group[0], length)
             if shape is None or (end is not None and offset != end):
                 break
-            if planned and size + length > BATCH_BYTES:
+            if planned and size + length > batch_bytes:
                 break
             if not all(_fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
@@ -638,7 +648,7 @@ def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> None:
 
 def _reads_direct(fd: int) -> bool:
     """Whether the reader will read the file open at ``fd`` with ``O_DIRECT`` (it is cold)."""
-    reader = DirectFileReader.for_file(fd, 0, 0)
+    reader = DirectFileReader.for_file(fd, 0)
     if reader is None:
         return False
     reader.close()
