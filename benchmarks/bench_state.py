@@ -100,7 +100,7 @@ def bench(args: argparse.Namespace, work: Path) -> list[Table]:
         "state-restore",
         "Cold restore of nested state",
         "time to restore in place with the page cache evicted / raw read",
-        limit="the fastest cold read of one file of the same bytes (readv, two-thread preadv, mmap, O_DIRECT)",
+        limit="the fastest cold read of one file of the same bytes (readv, preadv, mmap, O_DIRECT)",
     )
     scratch = Scratch(work / "scratch")
     scratch.directory.mkdir()
