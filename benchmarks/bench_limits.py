@@ -15,10 +15,16 @@ keeps the fastest:
   in flight); every strategy ends with an fsync;
 * reads (:class:`ReadLimit`): one ``os.readv`` of every buffer on one thread
   against ``os.preadv`` on two threads (each reading half the file), an
-  ``mmap`` copied out (what safetensors does), and, where the filesystem takes
+  ``mmap`` copied out (what safetensors does), one read per tensor into tensors
+  allocated for it (what ``torch.load`` does), and, where the filesystem takes
   it, ``O_DIRECT`` reads into aligned buffers copied into place (64 MiB reads
   on one thread while another copies, and 16 MiB reads on two threads); the
   page cache is evicted before each.
+
+:meth:`WriteLimit.time` and :meth:`ReadLimit.time` time one strategy, so that a
+benchmark can give each strategy its own place in a repetition's rotation,
+between the variants, rather than running them back to back (on a virtual
+disk, five cold 1 GiB reads in a row do not see the disk the sixth sees).
 
 No strategy truncates or deletes an earlier file inside its timing: every write
 goes to a path no earlier write used (``O_EXCL`` proves it), and what a
@@ -198,12 +204,13 @@ class WriteLimit:
 
     def measure(self, rep: int) -> Limit:
         """Every strategy once, order rotated by ``rep``; their files are deleted at the next purge."""
-        times = {}
-        for name in rotated(list(self.strategies), rep):
-            path = self.prepare(name)
-            settle()
-            times[name] = timed(lambda name=name, path=path: self.write(name, path))
-        return Limit(times)
+        return Limit({name: self.time(name) for name in rotated(list(self.strategies), rep)})
+
+    def time(self, name: str) -> float:
+        """Seconds of one run of strategy ``name`` (to a new path, deleted at the next purge)."""
+        path = self.prepare(name)
+        settle()
+        return timed(lambda: self.write(name, path))
 
     def prepare(self, name: str) -> Path:
         """The path strategy ``name`` writes next (created empty for a pre-created strategy); call it
@@ -292,6 +299,19 @@ def direct_refused(scratch: Scratch) -> str:
     return ""
 
 
+LIMIT_SLOT = "limit: "
+
+
+def slots(strategies: Iterable[str]) -> list[str]:
+    """One rotation entry per strategy of a limit, to interleave with a table's variants."""
+    return [LIMIT_SLOT + name for name in strategies]
+
+
+def strategy_of(slot: str) -> str | None:
+    """The strategy a rotation entry from :func:`slots` names (None: a variant)."""
+    return slot[len(LIMIT_SLOT) :] if slot.startswith(LIMIT_SLOT) else None
+
+
 def _shared(jobs: list[Any]) -> Callable[[], Any]:
     """A function handing out ``jobs`` in order to whichever thread asks next; None when none is left."""
     lock = threading.Lock()
@@ -351,6 +371,7 @@ class MemcpyLimit:
 READV = "one thread, one readv"
 PREADV2 = "two threads, preadv of a half each"
 MMAP = "mmap, MADV_WILLNEED, one copy"
+FRESH_PER_TENSOR = "one read per tensor into new tensors (as torch.load)"
 DIRECT_READ = "O_DIRECT, 64 MiB reads on a thread, copied out on another"
 DIRECT_READ_16X2 = "O_DIRECT, 16 MiB reads on two threads, each copying out"
 DIRECT_READS = (DIRECT_READ, DIRECT_READ_16X2)
@@ -379,8 +400,10 @@ class ReadLimit:
             READV: self._readv,
             PREADV2: self._preadv2,
             MMAP: self._mmap,  # what safetensors and torch.load(mmap=True) build on
+            FRESH_PER_TENSOR: self._fresh_per_tensor,  # torch.load: it beat every other strategy here
         }
         self.notes: list[str] = []
+        self.fresh: list[torch.Tensor] = []  # what FRESH_PER_TENSOR read into
         self._staging: list[memoryview] = []
         if direct:
             why_not = direct_refused(scratch)
@@ -392,12 +415,14 @@ class ReadLimit:
                 self.strategies[DIRECT_READ_16X2] = self._direct_two_threads
 
     def measure(self, rep: int) -> Limit:
-        times = {}
-        for name in rotated(list(self.strategies), rep):
-            settle()
-            evict(self.path)
-            times[name] = timed(self.strategies[name])
-        return Limit(times)
+        return Limit({name: self.time(name) for name in rotated(list(self.strategies), rep)})
+
+    def time(self, name: str) -> float:
+        """Seconds of one cold run of strategy ``name`` (the page cache evicted first)."""
+        self.fresh = []  # what the last run allocated is freed here, outside the timing
+        settle()
+        evict(self.path)
+        return timed(self.strategies[name])
 
     def _open(self) -> int:
         fd = os.open(self.path, os.O_RDONLY)
@@ -410,6 +435,16 @@ class ReadLimit:
             transfer(self.views, lambda batch, _: os.readv(fd, batch))
         finally:
             os.close(fd)
+
+    def _fresh_per_tensor(self) -> None:
+        """Each tensor's bytes, in file order, into a tensor allocated for it (freed after the timing)."""
+        fresh: list[torch.Tensor] = []
+        with open(self.path, "rb", buffering=0) as f:
+            for v in self.views:
+                t = torch.empty(len(v), dtype=torch.uint8)
+                transfer(byte_views([t]), lambda batch, _: f.readinto(batch[0]) or 0)
+                fresh.append(t)
+        self.fresh = fresh  # freed by the next time(): freeing 1 GiB is not part of a read
 
     def _mmap(self) -> None:
         with open(self.path, "rb") as f:

@@ -71,7 +71,7 @@ from bench_common import (
     rotated,
     settle,
 )
-from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit
+from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, slots, strategy_of
 from safeckpt import CheckpointManager, Retention
 from safeckpt.atomic import swap_pointer
 from safeckpt.fileops import DEFAULT_FILE_OPS
@@ -291,17 +291,17 @@ def bench_async(b: Bench) -> list[Table]:
     b.scratch.purge()
     for rep in range(b.args.reps):
         times: dict[str, tuple[float, float]] = {}
-        writes: dict[str, float] = {}
-        for name in rotated(["limit", *runners], rep):
+        raw: dict[str, float] = {}
+        for name in rotated(["memcpy", *slots(b.write_limit.strategies), *runners], rep):
             settle()
-            if name == "limit":
+            if name == "memcpy":
                 copy = blocking.add_limit(b.memcpy_limit.measure(rep).times)
-                writes = {k: copy + v for k, v in b.write_limit.measure(rep).times.items()}
-                times[name] = (copy, min(writes.values()))
+            elif (strategy := strategy_of(name)) is not None:  # each write strategy in its own slot
+                raw[strategy] = b.write_limit.time(strategy)
             else:
                 times[name] = runners[name].run()
-        copy, write = times.pop("limit")
-        durable.add_limit(writes)
+        writes = {k: copy + v for k, v in raw.items()}
+        write = durable.add_limit(writes)
         for name, (returned, done) in times.items():
             blocking.add_ratio(name, returned, copy)
             durable.add_ratio(name, done, write)
@@ -371,17 +371,18 @@ def bench_sync(b: Bench) -> list[Table]:
     b.scratch.purge()
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
-        for name in rotated(["limit", *variants], rep):
+        raw: dict[str, float] = {}
+        for name in rotated([*slots(b.write_limit.strategies), *variants], rep):
             settle()
-            if name == "limit":
-                times[name] = table.add_limit(b.write_limit.measure(rep).times)
+            if (strategy := strategy_of(name)) is not None:  # each strategy in its own slot
+                raw[strategy] = b.write_limit.time(strategy)
                 continue
             with held(managers[name][0] if name in managers else None):
                 start = time.perf_counter()
                 written = variants[name]()
                 times[name] = time.perf_counter() - start
             b.scratch.discard(written)
-        limit = times.pop("limit")
+        limit = table.add_limit(raw)
         for name, seconds in times.items():
             table.add_ratio(name, seconds, limit)
         b.scratch.purge()  # delete this repetition's files, outside every timing
@@ -445,10 +446,11 @@ def bench_restore(b: Bench) -> list[Table]:
     b.read_limit  # noqa: B018  (writes its file now, before any timing)
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
-        for name in rotated(["limit", *variants], rep):
+        raw: dict[str, float] = {}
+        for name in rotated([*slots(b.read_limit.strategies), *variants], rep):
             settle()
-            if name == "limit":
-                times[name] = table.add_limit(b.read_limit.measure(rep).times)  # evicts before each
+            if (strategy := strategy_of(name)) is not None:  # each strategy in its own slot
+                raw[strategy] = b.read_limit.time(strategy)  # evicts first
                 continue
             path, run = variants[name]
             evict(path)
@@ -456,7 +458,7 @@ def bench_restore(b: Bench) -> list[Table]:
             loaded = run()
             times[name] = time.perf_counter() - start
             del loaded
-        limit = times.pop("limit")
+        limit = table.add_limit(raw)
         for name, seconds in times.items():
             table.add_ratio(name, seconds, limit)
     mgr.close()

@@ -41,7 +41,7 @@ from bench_common import (
     settle,
     timed,
 )
-from bench_limits import MemcpyLimit, ReadLimit, Scratch
+from bench_limits import MemcpyLimit, ReadLimit, Scratch, slots, strategy_of
 from safeckpt import CheckpointManager, Retention
 
 SMALL_TENSORS = 10_000
@@ -129,11 +129,19 @@ def bench(args: argparse.Namespace, work: Path) -> list[Table]:
             blocking.add_ratio(name, time.perf_counter() - start, copy)
             blocking.limit_seconds.append(copy)
             mgr.wait()
-            read = read_limit.measure(rep).seconds
-            target = make()
-            settle()
-            evict(mgr.root)
-            restore.add_ratio(name, timed(lambda mgr=mgr, target=target: mgr.restore(target)), read)
+            # The restore takes its turn among the read limit's strategies, each in its own slot.
+            reads: dict[str, float] = {}
+            restored = 0.0
+            for slot in rotated(["restore", *slots(read_limit.strategies)], rep):
+                if (strategy := strategy_of(slot)) is not None:
+                    reads[strategy] = read_limit.time(strategy)
+                    continue
+                target = make()
+                settle()
+                evict(mgr.root)
+                restored = timed(lambda mgr=mgr, target=target: mgr.restore(target))
+            read = min(reads.values())
+            restore.add_ratio(name, restored, read)
             restore.limit_seconds.append(read)
         scratch.purge()
     for mgr in managers.values():

@@ -21,6 +21,7 @@ from bench_limits import (
     DIRECT,
     DIRECT_READS,
     DIRECT_WRITES,
+    FRESH_PER_TENSOR,
     MMAP,
     PREADV2,
     READV,
@@ -106,7 +107,7 @@ def large_tensors() -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("strategy", [READV, PREADV2, MMAP, *DIRECT_READS])
+@pytest.mark.parametrize("strategy", [READV, PREADV2, MMAP, FRESH_PER_TENSOR, *DIRECT_READS])
 @pytest.mark.parametrize("make", [tensors, large_tensors])
 def test_read_strategies_fill_the_buffers(tmp_path: Path, strategy: str, make: Any) -> None:
     sources = make()
@@ -117,9 +118,14 @@ def test_read_strategies_fill_the_buffers(tmp_path: Path, strategy: str, make: A
         pytest.skip(limit.notes[0])
     limit.views = byte_views(buffers)  # ...and reads it into the zeroed buffers
     limit.strategies[strategy]()
-    for src, buf in zip(sources, buffers, strict=True):
-        assert torch.equal(src, buf)
-    assert set(limit.measure(1).times) == set(limit.strategies) >= {READV, PREADV2, MMAP}
+    if strategy == FRESH_PER_TENSOR:  # into tensors of its own, one per buffer
+        assert [bytes(v) for v in byte_views(limit.fresh)] == [bytes(v) for v in byte_views(sources)]
+        assert all(torch.equal(buf, torch.zeros_like(buf)) for buf in buffers)
+    else:
+        for src, buf in zip(sources, buffers, strict=True):
+            assert torch.equal(src, buf)
+    assert set(limit.measure(1).times) == set(limit.strategies) >= {READV, PREADV2, MMAP, FRESH_PER_TENSOR}
+    assert limit.time(READV) > 0 and limit.fresh == []
 
 
 def test_memcpy_limit_copies(tmp_path: Path) -> None:

@@ -1,17 +1,17 @@
 """Large reads of a cold file with ``O_DIRECT``, into aligned buffers the caller copies out of.
 
 A buffered read of a file that is not in the page cache goes through the
-kernel's readahead, a few MiB ahead of the reader: on the disks we measured
-a cold 1 GiB ``readv`` took 0.5 to 1.5 s, where 64 MiB ``O_DIRECT`` reads of
-the same file took 0.52 to 0.57 s, run after run (``docs/performance.md``,
-the read limit's strategies; the two flip on some days, so the limit keeps
-both). One such request is split by the kernel into the disk's largest
-requests and queued at once, and nothing is copied into the page cache. The
+kernel's readahead, a few MiB ahead of the reader. A large ``O_DIRECT``
+request is split by the kernel into the disk's largest requests and queued at
+once, and nothing is copied into the page cache: on local NVMe that is what
+reaches the device's bandwidth. On this project's virtual disk the two trade
+places from one hour to the next (1 GiB cold: buffered 0.4 to 2.4 s, direct
+0.5 to 1.3 s; ``docs/performance.md``, the read limit's strategies). The
 bytes land in a page-aligned 16 MiB buffer from the writer's pool
 (:func:`~safeckpt.direct_io.take_buffer`: ``O_DIRECT`` wants aligned
 addresses, offsets and lengths, and an archive's data is only 64-byte
 aligned; a pooled buffer's pages are mapped already), which the caller copies
-into the tensors on its own thread while the next read runs.
+into the tensors on its own thread while the next reads run.
 
 A file whose first bytes are already in the page cache (written without
 ``O_DIRECT``, read moments ago) is read the buffered way, which is then a
