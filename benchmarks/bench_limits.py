@@ -400,7 +400,7 @@ class ReadLimit:
             READV: self._readv,
             PREADV2: self._preadv2,
             MMAP: self._mmap,  # what safetensors and torch.load(mmap=True) build on
-            FRESH_PER_TENSOR: self._fresh_per_tensor,  # torch.load: it beat every other strategy here
+            FRESH_PER_TENSOR: self._fresh_per_tensor,  # torch.load beat every other strategy here once
         }
         self.notes: list[str] = []
         self.fresh: list[torch.Tensor] = []  # what FRESH_PER_TENSOR read into
@@ -525,7 +525,7 @@ class ReadLimit:
                     errors.append(exc)
                     filled.release()
 
-            reader = threading.Thread(target=read)
+            reader = threading.Thread(target=read, daemon=True)  # never left waiting if a copy fails
             reader.start()
             for _ in chunks:
                 filled.acquire()
