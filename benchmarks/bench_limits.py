@@ -462,26 +462,17 @@ class ReadLimit:
 
     def _preadv2(self) -> None:
         halves = split_views(self.views, self.nbytes // 2)
-        errors: list[BaseException] = []
-
-        def read(views: list[memoryview], start: int) -> None:
-            try:
-                fd = self._open()  # one file description each: its own readahead window
-                try:
-                    transfer(views, lambda batch, done: os.preadv(fd, batch, start + done))
-                finally:
-                    os.close(fd)
-            except BaseException as exc:  # re-raised on the calling thread below
-                errors.append(exc)
-
         starts = (0, sum(len(v) for v in halves[0]))
-        threads = [threading.Thread(target=read, args=(h, s)) for h, s in zip(halves, starts, strict=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+
+        def read(part: tuple[list[memoryview], int]) -> None:
+            views, start = part
+            fd = self._open()  # one file description each: its own readahead window
+            try:
+                transfer(views, lambda batch, done: os.preadv(fd, batch, start + done))
+            finally:
+                os.close(fd)
+
+        in_threads(read, list(zip(halves, starts, strict=True)))
 
     def _direct_chunks(self, size: int) -> list[tuple[int, list[memoryview]]]:
         """(file offset, the buffers its ``size`` bytes go to) for each chunk of the file."""

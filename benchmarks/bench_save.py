@@ -401,7 +401,8 @@ def bench_restore(b: Bench) -> list[Table]:
         "restore",
         "Cold restore",
         "time to load a checkpoint whose pages were evicted / raw read",
-        limit="the fastest read of one file of the same bytes into preallocated buffers, page cache evicted",
+        limit="the fastest read of one file of the same bytes into preallocated buffers (or new ones), "
+        "page cache evicted",
         bound=True,
     )
     root = b.fresh("restore-root")

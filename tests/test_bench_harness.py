@@ -30,7 +30,9 @@ from bench_limits import (
     Scratch,
     WriteLimit,
     byte_views,
+    slots,
     split_views,
+    strategy_of,
     transfer,
 )
 from bench_tables import BEATEN, Report, Row, Table, beaten, merged_markdown, public_command, render
@@ -126,6 +128,23 @@ def test_read_strategies_fill_the_buffers(tmp_path: Path, strategy: str, make: A
             assert torch.equal(src, buf)
     assert set(limit.measure(1).times) == set(limit.strategies) >= {READV, PREADV2, MMAP, FRESH_PER_TENSOR}
     assert limit.time(READV) > 0 and limit.fresh == []
+
+
+def test_limit_slots_name_their_strategies_and_nothing_else() -> None:
+    entries = slots([READV, DIRECT])
+    assert [strategy_of(e) for e in entries] == [READV, DIRECT]
+    assert strategy_of("safeckpt") is None and strategy_of("torch.load") is None
+    assert not set(entries) & {"safeckpt", READV, DIRECT}  # a slot never collides with a variant's name
+
+
+def test_a_strategy_timed_alone_writes_a_file_of_its_own(tmp_path: Path) -> None:
+    scratch = Scratch(tmp_path)
+    limit = WriteLimit(tensors(), scratch)
+    assert limit.time(CREATED_WRITEV) > 0
+    written = list(tmp_path.glob("write-limit.*"))
+    assert len(written) == 1 and written[0].read_bytes() == concat(tensors())
+    scratch.purge()
+    assert not list(tmp_path.glob("write-limit.*"))
 
 
 def test_memcpy_limit_copies(tmp_path: Path) -> None:

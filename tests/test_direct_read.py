@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
 from safeckpt import CheckpointManager, Retention, direct_read, storage
 from safeckpt.direct_read import DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
@@ -16,33 +20,13 @@ from safeckpt.errors import CorruptCheckpointError
 MIB = 1 << 20
 
 
-def _cold_file(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _evict(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 @pytest.fixture
 def cold(tmp_path: Path) -> tuple[Path, bytes]:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
     data = os.urandom(3 * MIB + 123)
-    _cold_file(tmp_path / "f", data)
+    (tmp_path / "f").write_bytes(data)
+    evict(tmp_path / "f")
     return tmp_path / "f", data
 
 
@@ -85,6 +69,10 @@ def test_copies_split_across_targets_and_a_size_mismatch_is_refused(cold: tuple[
         assert b"".join(parts) == data[100:300_100]
         with pytest.raises(ValueError, match="staged"):
             staged.copy_into([bytearray(5)])
+        larger = [bytearray(300_000), bytearray(1)]
+        with pytest.raises(ValueError, match="staged"):
+            staged.copy_into(larger)
+        assert not any(larger[0]), "nothing is copied before the sizes are checked"
         staged.release()
     os.close(fd)
 
@@ -97,6 +85,8 @@ def test_past_the_end_and_too_large_are_errors(cold: tuple[Path, bytes]) -> None
             reader.read(len(data) - 5, 10)
         with pytest.raises(ValueError, match="larger"):
             reader.read(0, DirectFileReader.capacity + 1)
+        with pytest.raises(ValueError, match="non-negative"):
+            reader.read(0, -1)
         assert reader.read(0, 10) is not None  # the buffers went back after each error
     os.close(fd)
 
@@ -109,7 +99,7 @@ def test_buffers_are_reused(cold: tuple[Path, bytes]) -> None:
             staged = reader.read(k * 4096, 4096)
             assert staged is not None
             staged.release()
-        assert len(reader._owned) == 1
+        assert reader._taken == 1
     os.close(fd)
 
 
@@ -206,7 +196,7 @@ def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list
     state = _state()
     with CheckpointManager(tmp_path / "run", async_save=False, retention=Retention(keep_last=2)) as mgr:
         mgr.save(1, {"model": state})
-    _evict(tmp_path / "run")
+    evict(tmp_path / "run")
     target = _zeros(state)
     with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
         result = mgr.restore({"model": target})
@@ -231,7 +221,7 @@ def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: li
         os.pwrite(fd, bytes([byte[0] ^ 0x40]), middle)
     finally:
         os.close(fd)
-    _evict(tmp_path / "run")
+    evict(tmp_path / "run")
     with CheckpointManager(tmp_path / "run", async_save=False) as mgr, pytest.raises(CorruptCheckpointError):
         mgr.restore({"model": _zeros(state)}, step=1)
     assert counted
@@ -248,7 +238,7 @@ def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
     with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
         mgr.save(1, {"model": _state()})
     directory = next((tmp_path / "run").rglob("__0_0.distcp")).parent
-    _evict(directory)
+    evict(directory)
     advised: list[str] = []
     monkeypatch.setattr(storage, "_advise", lambda fd, offset, length, advice: advised.append(advice))
     decided = threading.Event()

@@ -407,14 +407,29 @@ def test_an_archive_from_a_template_is_the_archive_written_in_full(
     assert zipfile.ZipFile(io.BytesIO(other)).testzip() is None  # every CRC patched in right
 
 
+@pytest.fixture
+def wrong(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For every batched archive checked, whether its layout guess was wrong (it is then read again)."""
+    from safeckpt import read_batch
+
+    checked: list[bool] = []
+    real = read_batch.Planned.as_guessed
+
+    def counting(self: Any) -> bool:
+        ok = real(self)
+        checked.append(not ok)
+        return ok
+
+    monkeypatch.setattr(read_batch.Planned, "as_guessed", counting)
+    return checked
+
+
 def test_an_archive_of_a_known_length_but_another_layout_is_read_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrong: list[bool]
 ) -> None:
     """Batched reads guess an archive's layout from its length; a float32 and an int32 tensor of 8
     values have archives of the same length. The guess is checked before anything is committed,
     and the int32 one is read again and converted, not loaded as float bits."""
-    from safeckpt import read_batch
-
     state = {
         f"{kind}{i}": torch.arange(8, dtype=dtype) + i
         for i in range(3)
@@ -422,15 +437,6 @@ def test_an_archive_of_a_known_length_but_another_layout_is_read_again(
     }
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
     monkeypatch.setattr(storage, "expected_shape", lambda *_: None)  # guesses by length only
-    wrong = []
-    real = read_batch.Planned.as_guessed
-
-    def counting(self: Any) -> bool:
-        ok = real(self)
-        wrong.append(not ok)
-        return ok
-
-    monkeypatch.setattr(read_batch.Planned, "as_guessed", counting)
     loaded = {name: torch.zeros(8) for name in state}  # every target float32: ints are converted
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     for name, value in state.items():
@@ -440,25 +446,14 @@ def test_an_archive_of_a_known_length_but_another_layout_is_read_again(
 
 
 def test_a_tensor_saved_with_other_strides_than_the_metadata_suggests_is_read_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, wrong: list[bool]
 ) -> None:
     """The metadata's guess is a contiguous tensor; a transposed one that owns its storage is saved
     with its own strides (an archive of the same length). It is read again, and loads right."""
-    from safeckpt import read_batch
-
     base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
     state = {"t": base.t(), "c": base.clone() + 100}
     assert not state["t"].is_contiguous()
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
-    wrong = []
-    real = read_batch.Planned.as_guessed
-
-    def counting(self: Any) -> bool:
-        ok = real(self)
-        wrong.append(not ok)
-        return ok
-
-    monkeypatch.setattr(read_batch.Planned, "as_guessed", counting)
     loaded = {"t": torch.zeros(8, 4), "c": torch.zeros(4, 8)}
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(loaded["t"], state["t"]) and torch.equal(loaded["c"], state["c"])

@@ -25,24 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import mmap
 import os
 import queue
 import threading
 from typing import Any
 
-import numpy as np
-
-from .direct_io import BUFFER_BYTES, direct_io_enabled, give_back, take_buffer
+from .direct_io import (
+    _O_DIRECT,
+    _REFUSED,
+    BUFFER_BYTES,
+    copy_bytes,
+    direct_io_enabled,
+    give_back,
+    take_buffer,
+)
 
 __all__ = ["DirectFileReader", "Staged"]
 
 ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to, on the filesystems we know
 _BUFFERS = 4  # two being read, one being copied out of, one spare
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-_GIL_FREE = 64 << 10  # larger copies out of a buffer release the GIL
 
 
 class Staged:
@@ -59,20 +61,14 @@ class Staged:
 
     def copy_into(self, targets: list[Any]) -> None:
         """Fill each of ``targets`` (writable buffers, in file order) with the next bytes staged."""
+        outs = [memoryview(target).cast("B") for target in targets]
+        total = sum(len(out) for out in outs)
+        if total != len(self.view):  # checked before anything is copied
+            raise ValueError(f"staged {len(self.view)} bytes, the targets hold {total}")
         position = 0
-        for target in targets:
-            out = memoryview(target).cast("B")
-            n = len(out)
-            if n >= _GIL_FREE:  # numpy's copy releases the GIL: the training or reading thread runs
-                np.copyto(
-                    np.frombuffer(out, dtype=np.uint8),
-                    np.frombuffer(self.view[position : position + n], np.uint8),
-                )
-            else:
-                out[:] = self.view[position : position + n]
-            position += n
-        if position != len(self.view):
-            raise ValueError(f"staged {len(self.view)} bytes, the targets hold {position}")
+        for out in outs:
+            copy_bytes(out, self.view[position : position + len(out)])
+            position += len(out)
 
     def release(self) -> None:
         if self._buffer is not None:
@@ -96,7 +92,7 @@ class DirectFileReader:
     def __init__(self, direct_fd: int) -> None:
         self._fd = direct_fd
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._owned: list[mmap.mmap] = []
+        self._taken = 0  # buffers taken from the pool (at most _BUFFERS)
         self._lock = threading.Lock()
         self.refused = False  # O_DIRECT failed at the first read: the caller reads buffered from now on
         self._read_once = False
@@ -129,7 +125,9 @@ class DirectFileReader:
             return None
         start = offset - offset % ALIGN
         end = -(-(offset + length) // ALIGN) * ALIGN
-        if length > self.capacity or length < 0:
+        if length < 0 or offset < 0:
+            raise ValueError(f"a direct read needs a non-negative offset and length, not {offset}, {length}")
+        if length > self.capacity:
             raise ValueError(f"a direct read of {length} bytes is larger than this reader's {self.capacity}")
         buffer = self._take()
         try:
@@ -157,7 +155,6 @@ class DirectFileReader:
                 give_back(self._free.get_nowait())
             except queue.Empty:
                 break
-        self._owned.clear()
 
     def __enter__(self) -> DirectFileReader:
         return self
@@ -181,10 +178,9 @@ class DirectFileReader:
         with contextlib.suppress(queue.Empty):
             return self._free.get_nowait()  # a buffer given back: its pages are mapped already
         with self._lock:
-            if len(self._owned) < _BUFFERS:
-                buffer = take_buffer()
-                self._owned.append(buffer)
-                return buffer
+            if self._taken < _BUFFERS:
+                self._taken += 1
+                return take_buffer()
         return self._free.get()
 
     def _give_back(self, buffer: mmap.mmap) -> None:
