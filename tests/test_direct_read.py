@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
 from safeckpt import CheckpointManager, Retention, direct_read, storage
-from safeckpt.direct_read import DirectFileReader
+from safeckpt.direct_read import ALIGN, DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
+from safeckpt.read_batch import windows
 
 MIB = 1 << 20
 
@@ -84,7 +86,7 @@ def test_past_the_end_and_too_large_are_errors(cold: tuple[Path, bytes]) -> None
         with pytest.raises(EOFError):
             reader.read(len(data) - 5, 10)
         with pytest.raises(ValueError, match="larger"):
-            reader.read(0, DirectFileReader.capacity + 1)
+            reader.read(1, DirectFileReader.window)  # rounded out: one page more
         with pytest.raises(ValueError, match="non-negative"):
             reader.read(0, -1)
         assert reader.read(0, 10) is not None  # the buffers went back after each error
@@ -148,6 +150,21 @@ def test_refused_at_the_first_read_then_buffered(
     os.close(fd)
 
 
+_WINDOW = DirectFileReader.window
+
+
+@pytest.mark.parametrize("start", [0, 1, ALIGN - 1, ALIGN, 3 * ALIGN + 17])
+@pytest.mark.parametrize("length", [1, ALIGN, 5 * MIB, _WINDOW, 2 * _WINDOW + 99])
+def test_windows_tile_a_range_in_whole_buffers(start: int, length: int) -> None:
+    size = DirectFileReader.window
+    pieces = windows(start, start + length, size)
+    assert pieces[0][0] == start and pieces[-1][1] == start + length
+    assert all(a == b for (_, a), (b, _) in itertools.pairwise(pieces))  # adjacent, no gap, no overlap
+    assert all(b % ALIGN == 0 for _, b in pieces[:-1])  # they meet at page boundaries: no page read twice
+    spans = [_span(a, b - a) for a, b in pieces]
+    assert all(span == size for span in spans[:-1]) and spans[-1] <= size
+
+
 # --- restores through the direct path ----------------------------------------------------------
 
 
@@ -178,19 +195,24 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    reads: list[int] = []
+def counted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    reads: list[tuple[int, int]] = []  # (offset, length) of every direct read
     real = DirectFileReader.read
 
     def read(self: DirectFileReader, offset: int, length: int) -> object:
-        reads.append(length)
+        reads.append((offset, length))
         return real(self, offset, length)
 
     monkeypatch.setattr(DirectFileReader, "read", read)
     return reads
 
 
-def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list[int]) -> None:
+def _span(offset: int, length: int) -> int:
+    """What a direct read of ``[offset, offset + length)`` spans, rounded out to pages."""
+    return -(-(offset + length) // ALIGN) * ALIGN - (offset - offset % ALIGN)
+
+
+def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list[tuple[int, int]]) -> None:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
     state = _state()
@@ -203,11 +225,48 @@ def test_a_cold_restore_reads_direct_and_bit_exact(tmp_path: Path, counted: list
     assert result.step == 1
     assert _equal(target, state)
     assert counted, "the cold shard was not read with O_DIRECT"
-    assert max(counted) == DirectFileReader.capacity  # the large tensor went through in pieces
-    assert sum(counted) >= 24 * MIB + 4 * MIB + 12 * MIB
+    spans = [_span(offset, length) for offset, length in counted]
+    assert max(spans) == DirectFileReader.window  # whole buffers, whatever the archives' sizes
+    assert spans.count(DirectFileReader.window) >= 2  # 40 MiB of archives: two full requests at least
+    reads = sorted(counted)
+    for (offset, length), (after, _) in itertools.pairwise(reads):
+        assert offset + length <= after, "a byte was read twice"
+    assert sum(length for _, length in counted) >= 24 * MIB + 4 * MIB + 12 * MIB
 
 
-def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: list[int]) -> None:
+def test_a_restore_refused_o_direct_at_its_first_read_is_read_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every window already submitted comes back refused: each batch is read again the buffered way."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    state = _state()
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"model": state})
+    evict(tmp_path / "run")
+    refused: list[int] = []
+
+    def read_into(self: DirectFileReader, view: memoryview, offset: int) -> int:
+        refused.append(offset)
+        raise OSError(errno.EINVAL, "refused")
+
+    monkeypatch.setattr(DirectFileReader, "_read_into", read_into)
+    alone: list[int] = []  # archives read again one by one (the slow path a batch with no bytes falls to)
+    real = storage.RawFileSystemReader._read_archive
+    monkeypatch.setattr(
+        storage.RawFileSystemReader,
+        "_read_archive",
+        lambda self, fd, offset, *a: (alone.append(offset), real(self, fd, offset, *a))[1],
+    )
+    target = _zeros(state)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.restore({"model": target})
+    assert refused, "the direct path was not tried"
+    assert _equal(target, state)
+    assert not alone, "the refused batch was not read again as a batch"
+
+
+def test_a_flipped_byte_is_caught_on_the_direct_path(tmp_path: Path, counted: list[tuple[int, int]]) -> None:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
     state = _state()

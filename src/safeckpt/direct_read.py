@@ -78,7 +78,7 @@ class Staged:
 
 
 class DirectFileReader:
-    """``O_DIRECT`` reads of the file open at ``fd``, up to :attr:`capacity` bytes each.
+    """``O_DIRECT`` reads of the file open at ``fd``, each within :attr:`window` bytes once rounded out.
 
     :meth:`for_file` says whether to read this way at all (None: read buffered).
     :meth:`read` may be called from several threads at once (two requests in
@@ -87,7 +87,8 @@ class DirectFileReader:
     reads may be unreleased at once (the next read waits for one).
     """
 
-    capacity = BUFFER_BYTES - 2 * ALIGN  # the most one read returns: a range rounded out at both ends fits
+    window = BUFFER_BYTES  # the most one read spans, its range rounded out to ALIGN at both ends
+    buffers = _BUFFERS  # reads returned and not yet released, at most (one more waits)
 
     def __init__(self, direct_fd: int) -> None:
         self._fd = direct_fd
@@ -127,8 +128,11 @@ class DirectFileReader:
         end = -(-(offset + length) // ALIGN) * ALIGN
         if length < 0 or offset < 0:
             raise ValueError(f"a direct read needs a non-negative offset and length, not {offset}, {length}")
-        if length > self.capacity:
-            raise ValueError(f"a direct read of {length} bytes is larger than this reader's {self.capacity}")
+        if end - start > self.window:
+            raise ValueError(
+                f"a direct read of {length} bytes at {offset} spans {end - start}, larger than this "
+                f"reader's {self.window}"
+            )
         buffer = self._take()
         try:
             got = self._read_into(memoryview(buffer)[: end - start], start)

@@ -33,8 +33,6 @@ looked up defensively.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import io
 import logging
@@ -80,7 +78,7 @@ from .archive import (
 from .direct_io import DirectFileWriter
 from .direct_read import DirectFileReader
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
-from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, place, read_all
+from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .zipformat import _ChecksummedStream
 
 logger = logging.getLogger(__name__)
@@ -91,9 +89,7 @@ __all__ = ["RawFileSystemReader", "RawFileSystemWriter", "prefetch", "raw_path_a
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: left to torch.save
 
 _SUFFIX = ".distcp"
-Future_ = concurrent.futures.Future  # a batch being read
-_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES, or a
-# direct reader's buffer)
+_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
 _PREFETCH = 256 << 20  # what a disk reads while a restore plans: more only competes with the cache
 
 
@@ -300,41 +296,34 @@ class RawFileSystemReader(FileSystemReader):
             else:
                 archives.setdefault(info.offset, []).append(item)
         order = sorted(archives)
-        # Up to _AHEAD segments ahead: batches are read one after another on a thread (two buffered
-        # reads at once interleave and slow a disk down) while the one before is checked and committed
-        # here, so the disk never waits for Python. A cold file is read with O_DIRECT (direct_read),
-        # two requests in flight: a reading thread that has to wait for the GIL after its read (up to
-        # the 5 ms switch interval while this thread runs Python) would leave the disk idle meanwhile.
-        pending: collections.deque[tuple[Any, Future_ | None]] = collections.deque()
-        position = 0
+        # Up to _AHEAD batches are read ahead on a thread while the one before is checked and committed
+        # here, so the disk never waits for Python (two buffered reads at once interleave and slow a
+        # disk down). A cold file is read with O_DIRECT (direct_read) on two threads, two requests in
+        # flight: a reading thread that has to wait for the GIL after its read (up to the 5 ms switch
+        # interval while this thread runs Python) would leave the disk idle meanwhile.
         direct = DirectFileReader.for_file(fd, order[0]) if order else None
-        batch_bytes = direct.capacity if direct is not None else BATCH_BYTES  # a batch fits a buffer
         readers, ahead = (2, _AHEAD + 1) if direct is not None else (1, _AHEAD)
+        position = 0
         with contextlib.ExitStack() as stack:
             if direct is not None:
                 stack.callback(direct.close)  # after the pool below has stopped reading
             pool = stack.enter_context(ThreadPoolExecutor(readers, thread_name_prefix="safeckpt-read"))
+            reads = ReadAhead(fd, pool, direct)
             while True:
-                while len(pending) < ahead and position < len(order):
-                    planned = self._plan_batch(order, position, archives, planner, batch_bytes)
+                while len(reads) < ahead and position < len(order):
+                    planned = self._plan_batch(order, position, archives, planner)
                     if planned:
-                        pending.append((planned, pool.submit(read_all, fd, planned, direct)))
+                        reads.add(planned)
                         position += len(planned)
-                    else:
-                        pending.append((order[position], None))
+                    else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
+                        group = archives[order[position]]
+                        length = self.storage_data[group[0].storage_index].length
+                        self._read_archive(fd, order[position], length, group, planner)
                         position += 1
-                if not pending:
+                batch = reads.next()
+                if batch is None:
                     return
-                segment, reading = pending.popleft()
-                if reading is not None:
-                    staged = reading.result()
-                    if staged is not None:
-                        place(staged, segment)
-                    self._finish_batch(fd, segment, planner)
-                else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
-                    group = archives[segment]
-                    length = self.storage_data[group[0].storage_index].length
-                    self._read_archive(fd, segment, length, group, planner)
+                self._finish_batch(fd, batch, planner)
 
     def _plan_batch(
         self,
@@ -342,10 +331,9 @@ class RawFileSystemReader(FileSystemReader):
         k: int,
         archives: dict[int, list[ReadItem]],
         planner: LoadPlanner,
-        batch_bytes: int,
     ) -> list[Planned]:
         """The run of consecutive archives from ``order[k]`` whose shapes are known (maybe none), of
-        at most ``batch_bytes`` unless its first archive alone is larger."""
+        at most ``BATCH_BYTES`` unless its first archive alone is larger."""
         planned: list[Planned] = []
         size = 0
         end: int | None = None
@@ -355,7 +343,7 @@ class RawFileSystemReader(FileSystemReader):
             shape = self._guess(group[0], length)
             if shape is None or (end is not None and offset != end):
                 break
-            if planned and size + length > batch_bytes:
+            if planned and size + length > BATCH_BYTES:
                 break
             if not all(_fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
