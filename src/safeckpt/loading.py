@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import dcp_io
+from .collector import collector_paused
 from .errors import IncompleteCheckpointError
 from .state import display, is_stateful, module_for, nest_for_dcp
 from .train_state import Legacy, read_tree
@@ -351,6 +352,7 @@ def _apply(target: Any, loaded: Any) -> Any:
 # --- without a template --------------------------------------------------------------------
 
 
+@collector_paused()  # thousands of small objects: see safeckpt.collector
 def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
     """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .collector import collector_paused
 from .commit import CommitPath
 from .distributed import Participants
 from .errors import (
@@ -248,7 +249,8 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
                 self._ensure_writer()
                 self._check_order(step, overwrite)
             try:
-                captured = capture(state, rng=self.save_rng, cache=self._state_cache)
+                with collector_paused():  # thousands of small objects: see safeckpt.collector
+                    captured = capture(state, rng=self.save_rng, cache=self._state_cache)
             except CheckpointError:
                 raise
             except Exception as e:  # a state_dict() that raised
@@ -261,7 +263,8 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
             job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
             if self._pool is not None:
                 job.slot = self._acquire_slot(step)
-                job.dcp_state = job.slot.stage(captured.dcp)
+                with collector_paused():
+                    job.dcp_state = job.slot.stage(captured.dcp)
             else:
                 job.dcp_state = captured.dcp
         except BaseException as e:
@@ -287,7 +290,8 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
                         "safeckpt: cancelling queued save of step %d (out of retention)", cancelled.step
                     )
         else:
-            self._persist(job)
+            with collector_paused():  # a sync save blocks the caller anyway
+                self._persist(job)
             later = self._conclude(None, what=what, step=step, defer_background=earlier is not None)
             earlier = earlier or later
         if earlier is not None:

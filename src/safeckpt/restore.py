@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dcp_io
 from .catalog import scan
+from .collector import collector_paused
 from .distributed import Participants
 from .errors import (
     CheckpointNotFoundError,
@@ -147,6 +148,7 @@ def choose_checkpoint(
     return None
 
 
+@collector_paused()  # thousands of small objects: see safeckpt.collector
 def load_checkpoint(
     state: MutableMapping[Any, Any],
     directory: Path,

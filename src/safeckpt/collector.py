@@ -1,0 +1,45 @@
+"""Python's cyclic garbage collector, paused while a save or a restore makes many small objects.
+
+A restore of 10,000 tensors allocates hundreds of thousands of short-lived
+objects (DCP's read items and sizes, views, buffers); every few hundred
+allocations start a collection, and the full ones walk every object the
+process holds, the model's and the training loop's included. On this
+project's VM a cold 10,000-tensor restore took 1.11-1.49 s with the collector
+running and 0.61-0.71 s with it paused. What a save or a restore creates is
+freed by reference counting; cyclic garbage made meanwhile waits for the next
+collection after the pause.
+
+Pauses nest and may overlap across threads (two managers restoring at once):
+the collector runs again when the last one ends, if it ran before the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+__all__ = ["collector_paused"]
+
+_lock = threading.Lock()
+_pauses = 0
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (a context manager, or a decorator)."""
+    global _pauses, _was_enabled
+    with _lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()
