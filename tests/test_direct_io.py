@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +155,33 @@ def test_buffers_are_reused_between_files(tmp_path: Path) -> None:
     assert pooled, "a closed writer gives its buffers back"
     _write(tmp_path / "b", [_payload(2 * _BUFFER)])
     assert any(b in direct_io._pool for b in pooled)
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping holding ``address`` (Linux's /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux THP only"
+)
+def test_staging_buffers_are_private_and_advised_for_huge_pages() -> None:
+    """A shared anonymous mapping is shmem, whose huge pages are off: O_DIRECT requests then split."""
+    buffer = direct_io.aligned_buffer(4 << 20)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))  # the export ends here
+        flags = _vm_flags(address)
+        assert "sh" not in flags, "the buffer is a shared (shmem) mapping"
+        assert "hg" in flags, "the buffer is not advised for transparent huge pages"
+        assert address % mmap.PAGESIZE == 0
+    finally:
+        buffer.close()

@@ -74,7 +74,7 @@ def aligned_buffer(size: int) -> mmap.mmap:
     is shmem, whose huge pages are off by default. Where there are none
     (``MADV_HUGEPAGE`` missing or refused) it is an ordinary mapping.
     """
-    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    private = getattr(mmap, "MAP_PRIVATE", 0)  # with fileno -1, Python adds MAP_ANONYMOUS itself
     buffer = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
     with contextlib.suppress(AttributeError, OSError):  # no THP on this platform: 4 KiB pages
         buffer.madvise(mmap.MADV_HUGEPAGE)
