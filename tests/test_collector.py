@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,14 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     # A background save's write runs beside training: the collector stays on for it.
     assert saved == [async_save]
     assert loaded == [False, False]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_child_forked_during_a_pause_collects_again() -> None:
+    with collector_paused():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert not gc.isenabled()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -171,9 +171,16 @@ def _vm_flags(address: int) -> set[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux THP only"
-)
+def _thp_advisable() -> bool:
+    """Linux with transparent huge pages that ``madvise`` can ask for, and smaps that shows it."""
+    try:
+        enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in enabled
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _thp_advisable(), reason="Linux THP only")
 def test_staging_buffers_are_private_and_advised_for_huge_pages() -> None:
     """A shared anonymous mapping is shmem, whose huge pages are off: O_DIRECT requests then split."""
     buffer = direct_io.aligned_buffer(4 << 20)
@@ -185,3 +192,23 @@ def test_staging_buffers_are_private_and_advised_for_huge_pages() -> None:
         assert address % mmap.PAGESIZE == 0
     finally:
         buffer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_starts_an_empty_pool_of_its_own(tmp_path: Path) -> None:
+    """The pool's memory is not inherited (MADV_DONTFORK): the child must not reuse it."""
+    direct_io.give_back(direct_io.take_buffer())
+    assert direct_io._pool, "the buffer did not go back to the pool"
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            if not direct_io._pool:
+                with DirectFileWriter(tmp_path / "child") as out:
+                    out.write(_payload(_BUFFER + 7))
+                code = 0 if (tmp_path / "child").read_bytes() == _payload(_BUFFER + 7) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert direct_io._pool, "the parent's pool was emptied"

@@ -5,8 +5,12 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import random
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from bench_common import evict  # fsync, then drop from the page cache: a file o
 from safeckpt import CheckpointManager, Retention, direct_read, storage
 from safeckpt.direct_read import ALIGN, DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
-from safeckpt.read_batch import windows
+from safeckpt.read_batch import ReadAhead, windows
 
 MIB = 1 << 20
 
@@ -171,7 +175,7 @@ def test_windows_tile_a_range_in_whole_buffers(start: int, length: int) -> None:
 def _state() -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     return {
-        "big": torch.randn(6 * MIB),  # 24 MiB: more than one buffer, streamed through them
+        "big": torch.randn(6 * MIB),  # 24 MiB: more than one buffer, read in several windows
         "mid": torch.randn(1 * MIB, dtype=torch.float64),
         "small": [torch.randn(333) for _ in range(20)],
         "ints": torch.randint(-9, 9, (3 * MIB + 1,), dtype=torch.int32),
@@ -315,3 +319,75 @@ def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
             break
         threading.Event().wait(0.01)
     assert advised == ["POSIX_FADV_WILLNEED"]
+
+
+def _batches(size: int, seed: int) -> list[list[SimpleNamespace]]:
+    """Consecutive archive-like parts (prefix, data, tail) of random sizes over ``size`` bytes, in batches."""
+    rng = random.Random(seed)
+    batches: list[list[SimpleNamespace]] = []
+    offset = 0
+    while offset < size:
+        batch = []
+        for _ in range(rng.randint(1, 6)):
+            length = min(size - offset, rng.choice([1, 4095, 70_000, 300_000, 700_000]))
+            if length == 0:
+                break
+            a = rng.randint(0, length)
+            b = rng.randint(a, length)
+            parts = (bytearray(a), bytearray(b - a), bytearray(length - b))
+            batch.append(
+                SimpleNamespace(offset=offset, length=length, prefix=parts[0], data=parts[1], tail=parts[2])
+            )
+            offset += length
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("failure", [None, "refused", "first refused", "eio"])
+def test_read_ahead_through_few_buffers(
+    cold: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch, failure: str | None
+) -> None:
+    """Many batches, small windows, more windows than buffers: every byte, and no read waits forever."""
+    path, data = cold
+    fd, reader = _reader(path)
+    reader.window = 64 * 1024  # ~50 windows over the file, 4 buffers
+    real = DirectFileReader._read_into
+    reads = itertools.count()
+
+    def read_into(self: DirectFileReader, view: memoryview, offset: int) -> int:
+        k = next(reads)
+        if failure == "first refused" and k == 0:
+            time.sleep(0.3)  # the second read, on the other thread, succeeds before this one refuses
+            raise OSError(errno.EINVAL, "refused")
+        if failure == "refused":
+            raise OSError(errno.EINVAL, "refused")
+        if failure == "eio" and k == 7:
+            raise OSError(errno.EIO, "I/O error")
+        return real(self, view, offset)
+
+    monkeypatch.setattr(DirectFileReader, "_read_into", read_into)
+    batches = _batches(len(data), seed=len(failure or ""))
+    done: list[list[SimpleNamespace]] = []
+    with reader, ThreadPoolExecutor(2) as pool:
+        reads_ahead = ReadAhead(fd, pool, reader)
+
+        def run() -> None:
+            pending = iter(batches)
+            for batch in itertools.islice(pending, 2):
+                reads_ahead.add(batch)
+            while (batch := reads_ahead.next()) is not None:
+                done.append(batch)
+                assert reader._taken <= reader.buffers
+                for more in itertools.islice(pending, 1):
+                    reads_ahead.add(more)
+
+        if failure == "eio":
+            with pytest.raises(OSError, match="I/O error"):
+                run()
+            os.close(fd)
+            return
+        run()
+    os.close(fd)
+    assert done == batches
+    for p in (p for batch in done for p in batch):
+        assert bytes(p.prefix + p.data + p.tail) == data[p.offset : p.offset + p.length], p.offset

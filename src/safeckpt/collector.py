@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -43,3 +44,16 @@ def collector_paused() -> Iterator[None]:
             _pauses -= 1
             if _pauses == 0 and _was_enabled:
                 gc.enable()
+
+
+def _end_pauses_in_child() -> None:
+    # A child forked by another thread during a pause has no one to end it.
+    global _pauses, _lock
+    _lock = threading.Lock()  # it may have been held by a thread the child does not have
+    if _pauses and _was_enabled:
+        gc.enable()
+    _pauses = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_end_pauses_in_child)

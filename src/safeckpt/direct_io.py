@@ -73,12 +73,32 @@ def aligned_buffer(size: int) -> mmap.mmap:
     (``docs/performance.md``). The mapping is private: a shared anonymous one
     is shmem, whose huge pages are off by default. Where there are none
     (``MADV_HUGEPAGE`` missing or refused) it is an ordinary mapping.
+
+    A forked child does not inherit it (``MADV_DONTFORK``): ``O_DIRECT`` into
+    a private mapping while the process forks (a DataLoader starting its
+    workers beside a background save) can corrupt the transfer on older
+    kernels, and a copy-on-write parent would copy every page it fills next.
     """
     private = getattr(mmap, "MAP_PRIVATE", 0)  # with fileno -1, Python adds MAP_ANONYMOUS itself
     buffer = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
-    with contextlib.suppress(AttributeError, OSError):  # no THP on this platform: 4 KiB pages
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        with contextlib.suppress(AttributeError, OSError):  # not on this platform: as without it
+            buffer.madvise(getattr(mmap, advice))
     return buffer
+
+
+def _forget_pool_in_child() -> None:
+    # The child has none of the pool's memory (MADV_DONTFORK): keep the objects (closing them would
+    # unmap whatever the child maps at those addresses later) and start an empty pool.
+    global _pool, _pool_lock
+    _orphaned.extend(_pool)
+    _pool = []
+    _pool_lock = threading.Lock()  # it may have been held by a thread the child does not have
+
+
+_orphaned: list[mmap.mmap] = []  # a forked child's inherited pool, never touched
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def take_buffer() -> mmap.mmap:

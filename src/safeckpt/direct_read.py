@@ -83,7 +83,7 @@ class DirectFileReader:
     :meth:`for_file` says whether to read this way at all (None: read buffered).
     :meth:`read` may be called from several threads at once (two requests in
     flight keep the disk busy while a reading thread waits for the GIL), while
-    other threads copy out of what it returned before; at most ``_BUFFERS``
+    other threads copy out of what it returned before; at most :attr:`buffers`
     reads may be unreleased at once (the next read waits for one).
     """
 
@@ -93,7 +93,7 @@ class DirectFileReader:
     def __init__(self, direct_fd: int) -> None:
         self._fd = direct_fd
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._taken = 0  # buffers taken from the pool (at most _BUFFERS)
+        self._taken = 0  # buffers taken from the pool (at most self.buffers)
         self._lock = threading.Lock()
         self.refused = False  # O_DIRECT failed at the first read: the caller reads buffered from now on
         self._read_once = False
@@ -133,12 +133,13 @@ class DirectFileReader:
                 f"a direct read of {length} bytes at {offset} spans {end - start}, larger than this "
                 f"reader's {self.window}"
             )
+        first = not self._read_once  # asked before the read: another may finish first meanwhile
         buffer = self._take()
         try:
             got = self._read_into(memoryview(buffer)[: end - start], start)
         except OSError as e:
             self._give_back(buffer)
-            if e.errno in _REFUSED and not self._read_once:
+            if e.errno in _REFUSED and first:
                 self.refused = True  # open took O_DIRECT, the read did not (FUSE): buffered from now on
                 return None
             raise
@@ -154,7 +155,7 @@ class DirectFileReader:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        while True:  # the buffers given back go to the pool; one still staged (after an error) is dropped
+        while True:  # the buffers given back go to the pool; those still staged (after an error) are dropped
             try:
                 give_back(self._free.get_nowait())
             except queue.Empty:
@@ -182,7 +183,7 @@ class DirectFileReader:
         with contextlib.suppress(queue.Empty):
             return self._free.get_nowait()  # a buffer given back: its pages are mapped already
         with self._lock:
-            if self._taken < _BUFFERS:
+            if self._taken < self.buffers:
                 self._taken += 1
                 return take_buffer()
         return self._free.get()

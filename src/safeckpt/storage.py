@@ -19,8 +19,8 @@ whose shape it can guess with one large ``preadv``
 (:mod:`safeckpt.read_batch`), the others one request each, and each tensor's
 bytes straight into the destination tensor when their layouts agree,
 otherwise into one fresh buffer that it copies from, as DCP does; a cold file
-with ``O_DIRECT`` (:mod:`safeckpt.direct_read`), the bytes copied into place
-while the next batch is read. ``data.pkl``
+with ``O_DIRECT`` (:mod:`safeckpt.direct_read`) in whole 16 MiB windows, each
+copied into place while the next ones read. ``data.pkl``
 is unpickled with torch's weights-only unpickler, the one
 ``torch.load(weights_only=True)`` uses, so nothing from the file can run code.
 
@@ -302,7 +302,7 @@ class RawFileSystemReader(FileSystemReader):
         # flight: a reading thread that has to wait for the GIL after its read (up to the 5 ms switch
         # interval while this thread runs Python) would leave the disk idle meanwhile.
         direct = DirectFileReader.for_file(fd, order[0]) if order else None
-        readers, ahead = (2, _AHEAD + 1) if direct is not None else (1, _AHEAD)
+        readers = 2 if direct is not None else 1
         position = 0
         with contextlib.ExitStack() as stack:
             if direct is not None:
@@ -310,7 +310,7 @@ class RawFileSystemReader(FileSystemReader):
             pool = stack.enter_context(ThreadPoolExecutor(readers, thread_name_prefix="safeckpt-read"))
             reads = ReadAhead(fd, pool, direct)
             while True:
-                while len(reads) < ahead and position < len(order):
+                while len(reads) < _AHEAD and position < len(order):
                     planned = self._plan_batch(order, position, archives, planner)
                     if planned:
                         reads.add(planned)
