@@ -11,8 +11,8 @@ keeps the fastest:
 * writes (:class:`WriteLimit`): a fresh file against one created empty before
   the timing, one ``os.writev`` of every buffer against 64 MiB ``os.write``
   calls, and ``O_DIRECT`` from a page-aligned copy in huge pages where the
-  filesystem takes it (64 MiB and 16 MiB writes, and 16 MiB writes from two threads, so two are
-  in flight); every strategy ends with an fsync;
+  filesystem takes it (64 MiB and 16 MiB writes, and 16 MiB writes from two
+  threads, so two are in flight); every strategy ends with an fsync;
 * reads (:class:`ReadLimit`): one ``os.readv`` of every buffer on one thread
   against ``os.preadv`` on two threads (each reading half the file), an
   ``mmap`` copied out (what safetensors does), one read per tensor into tensors
@@ -54,11 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from bench_common import MIB, evict, memcpy, rotated, settle, timed
-from safeckpt.direct_io import aligned_buffer
+from safeckpt.direct_io import aligned_buffer, copy_bytes
 
 ALIGN = 4096  # O_DIRECT needs buffer addresses, offsets and lengths aligned to the logical block size
 _CHUNK = 64 * MIB
@@ -535,12 +534,10 @@ class ReadLimit:
 
 
 def _copy_out(staged: memoryview, targets: list[memoryview]) -> None:
-    """Copy ``staged`` into ``targets`` in order, with numpy (it releases the GIL, as safeckpt does)."""
+    """Copy ``staged`` into ``targets`` in order, the GIL released as safeckpt's reader copies."""
     offset = 0
     for t in targets:
-        np.copyto(
-            np.frombuffer(t, dtype=np.uint8), np.frombuffer(staged[offset : offset + len(t)], dtype=np.uint8)
-        )
+        copy_bytes(t, staged[offset : offset + len(t)])
         offset += len(t)
 
 
