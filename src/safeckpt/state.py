@@ -3,9 +3,10 @@
 A state is a mapping the user hands to ``save()`` and ``restore()``. The walk
 visits it depth first, in insertion order:
 
-* an ``nn.Module`` or ``Optimizer`` is expanded with the
-  ``torch.distributed.checkpoint.state_dict`` helpers (FQN-keyed, so optimizer
-  moments load into a fresh optimizer and FSDP2 models reshard);
+* an ``nn.Module`` or ``Optimizer`` is expanded as the
+  ``torch.distributed.checkpoint.state_dict`` helpers expand it (FQN-keyed, so
+  optimizer moments load into a fresh optimizer and FSDP2 models reshard;
+  cached, see :mod:`safeckpt.state_dicts`);
 * any other object with ``state_dict()`` and ``load_state_dict()`` (DCP's
   ``Stateful`` protocol: schedulers, data loaders, torchtitan-style wrappers)
   is expanded with ``state_dict()``;
@@ -37,9 +38,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from .errors import UnsupportedStateError
+from .state_dicts import StateDicts
 from .train_state import (
     capture_rng,
     encode_train_state,
@@ -117,6 +118,8 @@ class StateCache:
     plan: _Plan | None = None
     hits: int = 0
     misses: int = 0
+    state_dicts: StateDicts = field(default_factory=StateDicts)
+    """Models' and optimizers' FQN-keyed state dicts (see :mod:`safeckpt.state_dicts`)."""
 
 
 @dataclass
@@ -125,6 +128,7 @@ class _Collected:
     values: list[Any] = field(default_factory=list)
     signature: list[Any] = field(default_factory=list)
     expanded: list[Any] = field(default_factory=list)  # state_dict() results, in walk order
+    state_dicts: StateDicts = field(default_factory=StateDicts)
 
 
 def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = None) -> Captured:
@@ -139,7 +143,7 @@ def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = N
             "state must be a dict of name -> model/optimizer/tensor/stateful/container/JSON value, "
             f"got {type(state).__name__}. Nothing was written."
         )
-    got = _Collected()
+    got = _Collected(state_dicts=cache.state_dicts) if cache is not None else _Collected()
     try:
         _collect_mapping(state, got, state)
     except UnsupportedStateError as e:
@@ -176,13 +180,13 @@ def _collect(value: Any, got: _Collected, root: Mapping[Any, Any]) -> None:
         _collect_sequence(value, got, root)
     elif isinstance(value, nn.Module):
         got.signature.append(_MODULE)
-        expanded = get_model_state_dict(value)
+        expanded = got.state_dicts.model(value)
         got.expanded.append(expanded)
         _collect_mapping(expanded, got, root)
     elif isinstance(value, torch.optim.Optimizer):
         got.signature.append(_OPTIM)
         # Where, for the error: the describing walk names the path; here it is not known.
-        expanded = get_optimizer_state_dict(_module_or_raise(value, root), value)
+        expanded = got.state_dicts.optimizer(_module_or_raise(value, root), value)
         got.expanded.append(expanded)
         _collect_mapping(expanded, got, root)
     elif is_stateful(value):
