@@ -21,6 +21,7 @@ import contextlib
 import gc
 import os
 import platform
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -54,10 +55,16 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def rotated(items: Sequence[Any], rep: int) -> list[Any]:
-    """``items`` rotated by ``rep``: interleaves variants so none always runs first."""
-    k = rep % len(items) if items else 0
-    return [*items[k:], *items[:k]]
+def interleaved(items: Sequence[Any], rep: int) -> list[Any]:
+    """The order in which repetition ``rep`` runs ``items``: interleaved by ``rep``, so none always runs
+    first, and for more than two items shuffled too (seeded by ``rep``), so none always follows the
+    same one. In a fixed cyclic order whatever a variant leaves behind (a disk or a host cache still
+    busy with its writes) always falls on the same next variant."""
+    out = list(items)
+    if len(out) > 2:
+        random.Random(rep).shuffle(out)
+    k = rep % len(out) if out else 0
+    return [*out[k:], *out[:k]]
 
 
 def settle() -> None:

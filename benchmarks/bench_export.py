@@ -31,7 +31,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import GIB, MIB, Report, Table, build_state, evict, filesystem_of, machine, rotated, settle
+from bench_common import (
+    GIB,
+    MIB,
+    Report,
+    Table,
+    build_state,
+    evict,
+    filesystem_of,
+    interleaved,
+    machine,
+    settle,
+)
 from safeckpt import CheckpointManager
 from safeckpt.export import DEFAULT_READ_BUDGET, export_weights
 
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         table.row("export_weights, --format hf --shard-size 256MB", target=1.5)
         for rep in range(args.reps):
             times: dict[str, float] = {}
-            for name in rotated(["raw", *variants], rep):
+            for name in interleaved(["raw", *variants], rep):
                 evict(root)
                 settle()
                 begin = time.perf_counter()

@@ -53,12 +53,12 @@ from bench_common import (
     build_state,
     filesystem_of,
     host_buffers,
+    interleaved,
     machine,
-    rotated,
     settle,
     timed,
 )
-from bench_limits import MemcpyLimit, Scratch, WriteLimit
+from bench_limits import MemcpyLimit, Scratch, WriteLimit, combined
 from safeckpt import Retention
 from safeckpt.lightning import ManagedCheckpoint, SafeCheckpointIO
 
@@ -165,20 +165,20 @@ def bench_io(args: argparse.Namespace, work: Path, state: BenchState) -> list[Ta
     scratch.purge()
     for rep in range(args.reps):
         times: dict[str, tuple[float, float]] = {}
+        copies: dict[str, float] = {}
         writes: dict[str, float] = {}
-        for name in rotated(["limit", *(p.name for p in plugins)], rep):
+        for name in interleaved(["limit", *(p.name for p in plugins)], rep):
             settle()
             if name == "limit":
-                copy = blocking.add_limit(memcpy_limit.measure(rep).times)
-                writes = {k: copy + v for k, v in write_limit.measure(rep).times.items()}
-                times[name] = (copy, min(writes.values()))
+                copies = memcpy_limit.measure(rep).times
+                writes = write_limit.measure(rep).times
             else:
                 times[name] = next(p for p in plugins if p.name == name).save()
-        copy, write = times.pop("limit")
-        durable.add_limit(writes)
+        blocking.add_limit(copies)
+        durable.add_limit(combined(copies, writes))
         for name, (returned, done) in times.items():
-            blocking.add_ratio(name, returned, copy)
-            durable.add_ratio(name, done, write)
+            blocking.add_ratio(name, returned)
+            durable.add_ratio(name, done)
         scratch.purge()  # delete this repetition's files, outside every timing
         print(f"[bench_lightning] io rep {rep + 1}/{args.reps}", file=sys.stderr, flush=True)
     for plugin in plugins:
@@ -265,7 +265,7 @@ def bench_callback(args: argparse.Namespace, work: Path, state: BenchState) -> l
         settle()
         baseline = fit_seconds(args, state, work / f"base{rep}", "none")
         table.limit_seconds.append(baseline)
-        for variant in rotated(variants, rep):
+        for variant in interleaved(variants, rep):
             settle()
             directory = work / f"v{variants.index(variant)}-{rep}"
             seconds = fit_seconds(args, state, directory, variant)

@@ -48,7 +48,7 @@ import os
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from bench_common import MIB, evict, memcpy, rotated, settle, timed
+from bench_common import MIB, evict, interleaved, memcpy, settle, timed
 from safeckpt.direct_io import aligned_buffer, copy_bytes
 
 ALIGN = 4096  # O_DIRECT needs buffer addresses, offsets and lengths aligned to the logical block size
@@ -182,7 +182,7 @@ DIRECT_WRITES = (DIRECT, DIRECT_16, DIRECT_16X2)
 class WriteLimit:
     """The fastest way to make the bytes of ``tensors`` durable in one new file, fsync included.
 
-    :meth:`measure` times every strategy once (order rotated by ``rep``) and
+    :meth:`measure` times every strategy once (order interleaved by ``rep``) and
     discards what it wrote into ``scratch`` (deleted at the next purge). The
     ``O_DIRECT`` strategy writes a page-aligned copy of the bytes made here, once
     (the tensors' own memory is not aligned); it is left out, with a reason in
@@ -212,8 +212,8 @@ class WriteLimit:
                 self.strategies[DIRECT_16X2] = lambda path: self._direct(path, 16 * MIB, 2)
 
     def measure(self, rep: int) -> Limit:
-        """Every strategy once, order rotated by ``rep``; their files are deleted at the next purge."""
-        return Limit({name: self.time(name) for name in rotated(list(self.strategies), rep)})
+        """Every strategy once, order interleaved by ``rep``; their files are deleted at the next purge."""
+        return Limit({name: self.time(name) for name in interleaved(list(self.strategies), rep)})
 
     def time(self, name: str) -> float:
         """Seconds of one run of strategy ``name`` (to a new path, deleted at the next purge)."""
@@ -311,6 +311,11 @@ def direct_refused(scratch: Scratch) -> str:
 LIMIT_SLOT = "limit: "
 
 
+def combined(first: Mapping[str, float], then: Mapping[str, float]) -> dict[str, float]:
+    """Every pair of strategies done one after the other (a copy, then a write): seconds of each."""
+    return {f"{a} + {b}": ta + tb for a, ta in first.items() for b, tb in then.items()}
+
+
 def slots(strategies: Iterable[str]) -> list[str]:
     """One rotation entry per strategy of a limit, to interleave with a table's variants."""
     return [LIMIT_SLOT + name for name in strategies]
@@ -366,7 +371,7 @@ class MemcpyLimit:
 
     def measure(self, rep: int) -> Limit:
         times = {}
-        for name in rotated([COPY_INTO, CLONE], rep):
+        for name in interleaved([COPY_INTO, CLONE], rep):
             settle()
             if name == COPY_INTO:
                 times[name] = timed(lambda: memcpy(self.sources, self.buffers))
@@ -424,7 +429,7 @@ class ReadLimit:
                 self.strategies[DIRECT_READ_16X2] = lambda: self._direct_pipelined(16 * MIB, 2)
 
     def measure(self, rep: int) -> Limit:
-        return Limit({name: self.time(name) for name in rotated(list(self.strategies), rep)})
+        return Limit({name: self.time(name) for name in interleaved(list(self.strategies), rep)})
 
     def time(self, name: str) -> float:
         """Seconds of one cold run of strategy ``name`` (the page cache evicted first)."""

@@ -54,9 +54,9 @@ from bench_common import (
     filesystem_of,
     held,
     host_buffers,
+    interleaved,
     machine,
     memcpy,
-    rotated,
     settle,
 )
 from bench_limits import Scratch, WriteLimit
@@ -148,23 +148,23 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
     scratch = Scratch(work / f"rank{rank}")
     limit = WriteLimit([t.contiguous() for t in local], scratch)
 
-    def raw(rep: int) -> float:
+    def raw(rep: int) -> dict[str, float]:
         times = {}
-        for name in rotated(list(limit.strategies), rep):
+        for name in interleaved(list(limit.strategies), rep):
             path = limit.prepare(name)
             settle()
             times[name] = timed_together(lambda name=name, path=path: limit.write(name, path))
-        return aggregate.add_limit(times) if rep else min(times.values())
+        return times
 
     def dcp_save(rep: int) -> None:
         target = work / f"dcp.{rep}"  # a new directory each time; deleted after the repetition
         dcp.save(state, storage_writer=FileSystemWriter(target, sync_files=True))
 
     for rep in range(args.reps + 1):  # rep 0 warms up (staging buffers, page cache, groups)
-        raw_s = raw(rep)
+        raw_times = raw(rep)
         copy_s = each_rank(lambda: memcpy(local, buffers))
         results: dict[str, Any] = {}
-        for name in rotated(["sync", "async", "dcp"], rep):
+        for name in interleaved(["sync", "async", "dcp"], rep):
             settle()
             dist.barrier()
             if name == "sync":
@@ -193,14 +193,18 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, report_path: str, 
         dist.barrier()
         if rep == 0:
             continue
-        aggregate.add_ratio("safeckpt sync save", results["sync"], raw_s)
-        aggregate.add_ratio("safeckpt async save, until wait() returns", results["async"], raw_s)
-        aggregate.add_ratio("dcp.save", results["dcp"], raw_s)
+        aggregate.add_limit(raw_times)
+        aggregate.add_ratio("safeckpt sync save", results["sync"])
+        aggregate.add_ratio("safeckpt async save, until wait() returns", results["async"])
+        aggregate.add_ratio("dcp.save", results["dcp"])
         blocking.limit_seconds.append(max(copy_s))
         for r in range(WORLD):
             blocking.add_ratio(f"safeckpt, rank {r}", results["blocking"][r], copy_s[r])
         if rank == 0:
-            print(f"rep {rep}: raw {raw_s:.2f} s, sync {results['sync']:.2f} s", file=sys.stderr)
+            print(
+                f"rep {rep}: raw {min(raw_times.values()):.2f} s, sync {results['sync']:.2f} s",
+                file=sys.stderr,
+            )
     sync_mgr.close()
     async_mgr.close()
     aggregate.notes.append(

@@ -66,12 +66,12 @@ from bench_common import (
     fsync_path,
     held,
     host_buffers,
+    interleaved,
     machine,
     raw_write,
-    rotated,
     settle,
 )
-from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, slots, strategy_of
+from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, combined, slots, strategy_of
 from safeckpt import CheckpointManager, Retention
 from safeckpt.atomic import swap_pointer
 from safeckpt.fileops import DEFAULT_FILE_OPS
@@ -292,19 +292,20 @@ def bench_async(b: Bench) -> list[Table]:
     for rep in range(b.args.reps):
         times: dict[str, tuple[float, float]] = {}
         raw: dict[str, float] = {}
-        for name in rotated(["memcpy", *slots(b.write_limit.strategies), *runners], rep):
+        copies: dict[str, float] = {}
+        for name in interleaved(["memcpy", *slots(b.write_limit.strategies), *runners], rep):
             settle()
             if name == "memcpy":
-                copy = blocking.add_limit(b.memcpy_limit.measure(rep).times)
+                copies = b.memcpy_limit.measure(rep).times
             elif (strategy := strategy_of(name)) is not None:  # each write strategy in its own slot
                 raw[strategy] = b.write_limit.time(strategy)
             else:
                 times[name] = runners[name].run()
-        writes = {k: copy + v for k, v in raw.items()}
-        write = durable.add_limit(writes)
+        blocking.add_limit(copies)
+        durable.add_limit(combined(copies, raw))
         for name, (returned, done) in times.items():
-            blocking.add_ratio(name, returned, copy)
-            durable.add_ratio(name, done, write)
+            blocking.add_ratio(name, returned)
+            durable.add_ratio(name, done)
         b.scratch.purge()  # delete this repetition's files, outside every timing
     for runner in runners.values():
         runner.close()
@@ -372,7 +373,7 @@ def bench_sync(b: Bench) -> list[Table]:
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
         raw: dict[str, float] = {}
-        for name in rotated([*slots(b.write_limit.strategies), *variants], rep):
+        for name in interleaved([*slots(b.write_limit.strategies), *variants], rep):
             settle()
             if (strategy := strategy_of(name)) is not None:  # each strategy in its own slot
                 raw[strategy] = b.write_limit.time(strategy)
@@ -382,9 +383,9 @@ def bench_sync(b: Bench) -> list[Table]:
                 written = variants[name]()
                 times[name] = time.perf_counter() - start
             b.scratch.discard(written)
-        limit = table.add_limit(raw)
+        table.add_limit(raw)
         for name, seconds in times.items():
-            table.add_ratio(name, seconds, limit)
+            table.add_ratio(name, seconds)
         b.scratch.purge()  # delete this repetition's files, outside every timing
     for mgr, _ in managers.values():
         mgr.close()
@@ -448,7 +449,7 @@ def bench_restore(b: Bench) -> list[Table]:
     for rep in range(b.args.reps):
         times: dict[str, float] = {}
         raw: dict[str, float] = {}
-        for name in rotated([*slots(b.read_limit.strategies), *variants], rep):
+        for name in interleaved([*slots(b.read_limit.strategies), *variants], rep):
             settle()
             if (strategy := strategy_of(name)) is not None:  # each strategy in its own slot
                 raw[strategy] = b.read_limit.time(strategy)  # evicts first
@@ -459,9 +460,9 @@ def bench_restore(b: Bench) -> list[Table]:
             loaded = run()
             times[name] = time.perf_counter() - start
             del loaded
-        limit = table.add_limit(raw)
+        table.add_limit(raw)
         for name, seconds in times.items():
-            table.add_ratio(name, seconds, limit)
+            table.add_ratio(name, seconds)
     mgr.close()
     for path in (root, *files.values()):
         remove(path)
@@ -583,7 +584,7 @@ def bench_inflation(b: Bench) -> list[Table]:
     b.scratch.purge()
     for rep in range(b.args.reps):
         windows: dict[str, Window] = {}
-        for name in rotated(["limit", *variants], rep):
+        for name in interleaved(["limit", *variants], rep):
             settle()
             if name == "limit":
                 windows[name] = compute.run(lambda elapsed: elapsed < b.args.window)
@@ -668,7 +669,7 @@ def bench_cleanup(b: Bench) -> list[Table]:
 
     save_time(1)  # warm-up
     for rep in range(b.args.reps):
-        times = {count: save_time(count) for count in rotated(counts, rep)}
+        times = {count: save_time(count) for count in interleaved(counts, rep)}
         base = times.pop(1)
         table.limit_seconds.append(base)
         for count, seconds in times.items():

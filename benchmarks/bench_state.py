@@ -36,8 +36,8 @@ from bench_common import (
     evict,
     filesystem_of,
     host_buffers,
+    interleaved,
     machine,
-    rotated,
     settle,
     timed,
 )
@@ -118,21 +118,20 @@ def bench(args: argparse.Namespace, work: Path) -> list[Table]:
         buffers = host_buffers(tensors)
         limits[name] = (MemcpyLimit(tensors, buffers), ReadLimit(buffers, scratch))
     for rep in range(args.reps):
-        for name in rotated(list(states), rep):
+        for name in interleaved(list(states), rep):
             mgr, make = managers[name], states[name]
             copy_limit, read_limit = limits[name]
-            copy = copy_limit.measure(rep).seconds
+            blocking.add_limit(copy_limit.measure(rep).times, row=name)
             state = make()
             settle()
             start = time.perf_counter()
             mgr.save(rep + 1, state)
-            blocking.add_ratio(name, time.perf_counter() - start, copy)
-            blocking.limit_seconds.append(copy)
+            blocking.add_ratio(name, time.perf_counter() - start)
             mgr.wait()
             # The restore takes its turn among the read limit's strategies, each in its own slot.
             reads: dict[str, float] = {}
             restored = 0.0
-            for slot in rotated(["restore", *slots(read_limit.strategies)], rep):
+            for slot in interleaved(["restore", *slots(read_limit.strategies)], rep):
                 if (strategy := strategy_of(slot)) is not None:
                     reads[strategy] = read_limit.time(strategy)
                     continue
@@ -140,9 +139,8 @@ def bench(args: argparse.Namespace, work: Path) -> list[Table]:
                 settle()
                 evict(mgr.root)
                 restored = timed(lambda mgr=mgr, target=target: mgr.restore(target))
-            read = min(reads.values())
-            restore.add_ratio(name, restored, read)
-            restore.limit_seconds.append(read)
+            restore.add_limit(reads, row=name)
+            restore.add_ratio(name, restored)
         scratch.purge()
     for mgr in managers.values():
         mgr.close()

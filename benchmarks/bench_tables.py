@@ -7,6 +7,14 @@ variant, one value per repetition. ``run_all.py`` runs every script several time
 run median), each safeckpt row's time against the fastest peer's, and a verdict
 that stands only when every run agrees ("met", "missed"), else "unstable".
 
+A limit is the fastest of several strategies, each measured once per repetition:
+the strategy with the lowest median time in the run (:meth:`Table.resolve`), and
+each row divided by that strategy's time in the same repetition. Not the
+lowest time of each repetition: where strategies do the same work (three
+``O_DIRECT`` writes of different sizes) that is the lowest of several draws of
+one noisy quantity, below what any strategy does typically; each table also
+reports its rows against it, for comparison.
+
 A table whose limit is a lower bound (``bound=True``: raw memcpy, write, read)
 says so when a peer beats it (median below 1.0x), and the script exits with
 :data:`BEATEN` after printing: such a limit is not one.
@@ -42,6 +50,13 @@ class Row:
     role: str = ""
     """``"ours"`` (verdict and "vs best peer"), ``"peer"`` (compared against), ``"reference"``
     (neither, e.g. a floor); empty: ours when it has a target or its name starts with safeckpt."""
+    limit_reps: list[int] = field(default_factory=list)
+    """For a row measured against the table's strategies: the repetition of each of ``seconds``."""
+    vs_fastest_draw: list[float] = field(default_factory=list)
+    """Each of ``seconds`` against the lowest strategy time of its repetition (for comparison)."""
+    limit_times: dict[str, list[float]] = field(default_factory=dict)
+    """The row's own limit strategies (rows of one table measuring different bytes), else empty."""
+    fastest: str = ""
 
     @property
     def kind(self) -> str:
@@ -92,6 +107,8 @@ class Table:
     """The limit is a lower bound: a peer whose median is below 1.0x beats it, and the run fails."""
     limit_times: dict[str, list[float]] = field(default_factory=dict)
     """Seconds of each strategy the limit is the fastest of, per repetition."""
+    fastest: str = ""
+    """The strategy with the lowest median time (set by :meth:`resolve`)."""
 
     def row(self, name: str, *, target: float | None = None, note: str = "", role: str = "") -> Row:
         """The row called ``name``, created (with ``target``, ``role``) on first use."""
@@ -105,18 +122,49 @@ class Table:
     def find(self, name: str) -> Row | None:
         return next((r for r in self.rows if r.name == name), None)
 
-    def add_limit(self, times: Mapping[str, float]) -> float:
-        """Record one repetition of a limit's strategies; returns the limit (the fastest)."""
+    def add_limit(self, times: Mapping[str, float], *, row: str | None = None) -> None:
+        """Record one repetition of the limit's strategies (every strategy, every repetition);
+        ``row``: of that row's own limit, where the rows of one table measure different bytes."""
+        target = self.limit_times if row is None else self.row(row).limit_times
+        if target and set(times) != set(target):
+            raise ValueError(f"{self.key}: every repetition measures the same strategies")
         for name, seconds in times.items():
-            self.limit_times.setdefault(name, []).append(seconds)
-        limit = min(times.values())
-        self.limit_seconds.append(limit)
-        return limit
+            target.setdefault(name, []).append(seconds)
 
-    def add_ratio(self, name: str, seconds: float, limit: float) -> None:
+    def add_ratio(self, name: str, seconds: float, limit: float | None = None) -> None:
+        """A repetition of row ``name``: against ``limit`` seconds, or (None) against the strategies
+        (the row's own, else the table's) of the last :meth:`add_limit`, resolved by :meth:`resolve`."""
         row = self.row(name)
         row.seconds.append(seconds)
-        row.values.append(seconds / limit)
+        if limit is not None:
+            row.values.append(seconds / limit)
+            return
+        strategies = row.limit_times or self.limit_times
+        if not strategies:
+            raise ValueError(f"{self.key}: add_limit() comes before add_ratio() without a limit")
+        row.limit_reps.append(len(next(iter(strategies.values()))) - 1)
+
+    def resolve(self) -> None:
+        """Choose the fastest strategy (lowest median) and divide the rows measured against it.
+
+        Idempotent; a :class:`Report` calls it. Rows given a limit in seconds are left as they are.
+        """
+        if self.limit_times:
+            self.fastest, self.limit_seconds = _fastest(self.limit_times)
+        own: list[float] = []
+        for row in self.rows:
+            if not row.limit_reps:
+                continue
+            strategies = row.limit_times or self.limit_times
+            row.fastest, chosen = _fastest(strategies)
+            lowest = [min(times) for times in zip(*strategies.values(), strict=True)]
+            reps = list(zip(row.seconds, row.limit_reps, strict=True))
+            row.values = [s / chosen[i] for s, i in reps]
+            row.vs_fastest_draw = [s / lowest[i] for s, i in reps]
+            if row.limit_times:
+                own.extend(chosen)
+        if own and not self.limit_times:
+            self.limit_seconds = own
 
     def add_value(self, name: str, value: float, seconds: float = math.nan) -> None:
         row = self.row(name)
@@ -152,6 +200,8 @@ class Table:
 
 def render(runs: Sequence[Table]) -> str:
     """The Markdown of one table measured in ``runs`` (the same key, one :class:`Table` per run)."""
+    for t in runs:
+        t.resolve()
     first, n = runs[0], len(runs)
     lines = [f"#### {first.title}", "", f"Value: {first.measure}."]
     if first.limit:
@@ -159,7 +209,12 @@ def render(runs: Sequence[Table]) -> str:
         lines[-1] += f" Limit: {first.limit}, median {_fmt_s(limit_s)}."
     strategies = _strategies(runs)
     if strategies:
-        lines += ["", f"The limit is the fastest of these, per repetition: {strategies}."]
+        lines += [
+            "",
+            "The limit is the fastest of these strategies, each measured once per repetition: the one "
+            "with the lowest median time in a run (chosen per run), and each row is divided by its time "
+            f"in the same repetition. Median times: {strategies}.",
+        ]
     lines += [
         "",
         "| variant | median | spread | median time | vs best peer | target | verdict |",
@@ -211,6 +266,29 @@ def _caption(runs: Sequence[Table]) -> list[str]:
             f"repetitions (fastest peer, by median time, in each run: {', '.join(best)})."
         )
     lines += [f"**{b}**: the limit is not a limit; the benchmark fails." for b in beaten(runs)]
+    own = []
+    for name in _names(runs):
+        chosen = [r.fastest for t in runs if (r := t.find(name)) is not None and r.limit_times]
+        if chosen:
+            picks = ", ".join(f"{k} in {chosen.count(k)} of {len(chosen)}" for k in dict.fromkeys(chosen))
+            own.append(f"{name}: {picks}")
+    if own:
+        lines.append(
+            "Each row has its own limit (the same strategies over its own bytes); the fastest: "
+            f"{'; '.join(own)}."
+        )
+    draws = []
+    for name in _names(runs):
+        rows = [r for t in runs if (r := t.find(name)) is not None and r.vs_fastest_draw]
+        if rows and rows[0].kind == OURS:
+            draws.append(
+                f"{name} {_fmt_v(_median([statistics.median(r.vs_fastest_draw) for r in rows]), 'x')}"
+            )
+    if draws:
+        lines.append(
+            "Against the lowest strategy time of each repetition instead (the lowest of several draws, "
+            f"below what any one strategy does typically): {'; '.join(draws)}."
+        )
     return lines
 
 
@@ -229,8 +307,15 @@ def _strategies(runs: Sequence[Table]) -> str:
     parts = []
     for k in names:
         seconds = _median([statistics.median(t.limit_times[k]) for t in runs if t.limit_times.get(k)])
-        parts.append(f"{k} {_fmt_s(seconds)} (fastest in {wins[k]} of {total})")
+        chosen = sum(t.fastest == k for t in runs)
+        limit = f"the limit in {chosen} of {len(runs)} run{'s' if len(runs) > 1 else ''}; " if chosen else ""
+        parts.append(f"{k} {_fmt_s(seconds)} ({limit}fastest in {wins[k]} of {total} repetitions)")
     return "; ".join(parts)
+
+
+def _fastest(strategies: Mapping[str, list[float]]) -> tuple[str, list[float]]:
+    name = min(strategies, key=lambda k: statistics.median(strategies[k]))
+    return name, list(strategies[name])
 
 
 def _names(runs: Sequence[Table]) -> list[str]:
@@ -299,6 +384,10 @@ class Report:
     parameters: dict[str, Any]
     tables: list[Table]
     wall_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        for table in self.tables:
+            table.resolve()
 
     def to_markdown(self) -> str:
         return merged_markdown([self])

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import run_all
+from bench_common import interleaved
 from bench_limits import (
     CLONE,
     COPY_INTO,
@@ -30,6 +31,7 @@ from bench_limits import (
     Scratch,
     WriteLimit,
     byte_views,
+    combined,
     slots,
     split_views,
     strategy_of,
@@ -228,6 +230,60 @@ def test_report_round_trip_and_public_command(tmp_path: Path) -> None:
     assert public_command(report.command) == "py b.py --reps 2"
     assert "`py b.py --reps 2`, run 2 times" in merged_markdown([report, again])
     assert "fastest in 2 of 2" in merged_markdown([report, again])
+
+
+def test_the_limit_is_the_strategy_fastest_by_median_not_the_lowest_draw_of_each_repetition() -> None:
+    t = Table("k", "Title", "time / limit", limit="a limit", bound=True)
+    t.row("safeckpt", target=1.2)
+    # b is faster once, by luck; a is faster typically.
+    for a, b, ours, peer in [(1.0, 0.5, 1.1, 1.5), (1.0, 2.0, 1.1, 1.5), (1.0, 2.0, 1.1, 1.5)]:
+        t.add_limit({"a": a, "b": b})
+        t.add_ratio("safeckpt", ours)
+        t.add_ratio("torch.save", peer)
+    t.resolve()
+    assert t.fastest == "a" and t.limit_seconds == [1.0, 1.0, 1.0]
+    ours = t.find("safeckpt")
+    assert ours is not None and ours.values == pytest.approx([1.1, 1.1, 1.1])
+    assert ours.vs_fastest_draw == pytest.approx([2.2, 1.1, 1.1])
+    markdown = render([t])
+    assert "a 1.00 s (the limit in 1 of 1 run; fastest in 2 of 3 repetitions)" in markdown
+    assert "b 2.00 s (fastest in 1 of 3 repetitions)" in markdown
+    assert "Against the lowest strategy time of each repetition instead" in markdown
+    assert "safeckpt 1.10x" in markdown  # the median of 2.2, 1.1, 1.1
+    t.resolve()  # idempotent
+    assert ours.values == pytest.approx([1.1, 1.1, 1.1])
+
+
+def test_interleaved_runs_each_item_once_with_changing_first_items_and_neighbours() -> None:
+    items = [f"v{i}" for i in range(7)]
+    orders = [interleaved(items, rep) for rep in range(7)]
+    assert all(sorted(order) == items for order in orders)
+    assert len({order[0] for order in orders}) >= 4
+    before_v0 = {order[order.index("v0") - 1] for order in orders if order[0] != "v0"}
+    assert len(before_v0) >= 3  # a rotation alone would always put v6 before v0
+    assert interleaved(["a", "b"], 0) == ["a", "b"] and interleaved(["a", "b"], 1) == ["b", "a"]
+    assert interleaved(items, 3) == interleaved(items, 3)  # reproducible
+
+
+def test_rows_with_their_own_limits_and_misuse() -> None:
+    t = Table("k", "Title", "time / limit")
+    for rep in range(3):
+        t.add_limit({"copy": 1.0 + rep / 2, "clone": 2.0}, row="small")
+        t.add_ratio("small", 3.0)
+        t.add_limit({"copy": 10.0, "clone": 5.0}, row="large")
+        t.add_ratio("large", 10.0)
+    report = Report("s", "cmd", {}, {}, [t])  # resolves
+    small, large = t.find("small"), t.find("large")
+    assert small is not None and large is not None
+    assert (small.fastest, large.fastest) == ("copy", "clone")  # by median: 1.5 < 2.0, 5.0 < 10.0
+    assert small.values == pytest.approx([3.0, 2.0, 1.5])
+    assert large.values == pytest.approx([2.0, 2.0, 2.0])
+    assert "Each row has its own limit" in report.to_markdown()
+    with pytest.raises(ValueError, match="same strategies"):
+        t.add_limit({"copy": 1.0}, row="small")
+    with pytest.raises(ValueError, match="add_limit"):
+        Table("x", "X", "m").add_ratio("row", 1.0)
+    assert combined({"c": 1.0}, {"w1": 2.0, "w2": 3.0}) == {"c + w1": 3.0, "c + w2": 4.0}
 
 
 # --- run_all --------------------------------------------------------------------------------------
