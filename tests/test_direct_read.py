@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
-from safeckpt import CheckpointManager, Retention, direct_read, storage
+from safeckpt import CheckpointManager, Retention, direct_read, early_read, storage
 from safeckpt.direct_read import ALIGN, DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
 from safeckpt.read_batch import ReadAhead, windows
@@ -255,6 +255,8 @@ def test_a_restore_refused_o_direct_at_its_first_read_is_read_buffered(
         raise OSError(errno.EINVAL, "refused")
 
     monkeypatch.setattr(DirectFileReader, "_read_into", read_into)
+    # The filesystem refuses every O_DIRECT read, the early ones too (safeckpt.early_read).
+    monkeypatch.setattr(early_read, "read_aligned", lambda fd, view, offset: read_into(None, view, offset))  # type: ignore[arg-type]
     alone: list[int] = []  # archives read again one by one (the slow path a batch with no bytes falls to)
     real = storage.RawFileSystemReader._read_archive
     monkeypatch.setattr(
@@ -307,9 +309,10 @@ def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
     decided = threading.Event()
     real = storage._reads_direct
     monkeypatch.setattr(storage, "_reads_direct", lambda fd: (real(fd), decided.set())[0])
-    storage.prefetch(directory, 0)
+    done = storage.prefetch(directory, 0)
     assert decided.wait(10)
     assert advised == []
+    done()  # the early reads it started instead (given back)
     (directory / "__0_0.distcp").read_bytes()  # warm now: the prefetch asks for read-ahead again
     decided.clear()
     storage.prefetch(directory, 0)
@@ -391,3 +394,148 @@ def test_read_ahead_through_few_buffers(
     assert done == batches
     for p in (p for batch in done for p in batch):
         assert bytes(p.prefix + p.data + p.tail) == data[p.offset : p.offset + p.length], p.offset
+
+
+# --- early reads: a cold shard's first windows, read while the restore plans ----------------------
+
+
+@pytest.fixture
+def claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """Every claim of an early window: (start, end, whether it was taken)."""
+    seen: list[tuple[int, int, bool]] = []
+    real = early_read.EarlyReads.claim
+
+    def claim(self: early_read.EarlyReads, start: int, end: int) -> object:
+        got = real(self, start, end)
+        seen.append((start, end, got is not None))
+        return got
+
+    monkeypatch.setattr(early_read.EarlyReads, "claim", claim)
+    return seen
+
+
+def _saved_cold(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    state = _state()
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, {"model": state})
+    evict(tmp_path / "run")
+    return state, next((tmp_path / "run").rglob("__0_0.distcp"))
+
+
+def test_a_cold_restore_takes_its_first_windows_from_the_early_reads(
+    tmp_path: Path, claims: list[tuple[int, int, bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, shard = _saved_cold(tmp_path)
+    own: list[tuple[int, int]] = []  # what the reader read itself
+    real = DirectFileReader._read_into
+    monkeypatch.setattr(
+        DirectFileReader,
+        "_read_into",
+        lambda self, view, offset: (own.append((offset, len(view))), real(self, view, offset))[1],
+    )
+    target = _zeros(state)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.restore({"model": target}, step=1)
+    assert _equal(target, state)
+    taken = [(start, end) for start, end, ok in claims if ok]
+    assert len(taken) >= 2, claims  # the file is about 44 MiB: its windows were read early
+    for start, end in taken:  # and not read again
+        assert all(offset + length <= start or offset >= end for offset, length in own), (taken, own)
+    assert early_read.lookup(shard.stat()) is None, "the early reads were not closed after the restore"
+
+
+def test_a_flipped_byte_in_an_early_window_is_caught(
+    tmp_path: Path, claims: list[tuple[int, int, bool]]
+) -> None:
+    state, shard = _saved_cold(tmp_path)
+    fd = os.open(shard, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, MIB)[0] ^ 0x01]), MIB)  # inside the first window
+    finally:
+        os.close(fd)
+    evict(shard)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore({"model": _zeros(state)}, step=1)
+    assert any(ok and start <= MIB < end for start, end, ok in claims), claims
+
+
+def test_failed_early_reads_leave_their_ranges_to_the_reader_and_give_every_buffer_back(
+    tmp_path: Path, claims: list[tuple[int, int, bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, _ = _saved_cold(tmp_path)
+    outstanding = _count_buffers(monkeypatch)
+
+    def failing(fd: int, view: memoryview, offset: int) -> int:
+        if offset >= 16 * MIB:
+            raise OSError(errno.EIO, "injected")
+        return direct_read.read_aligned(fd, view, offset)
+
+    monkeypatch.setattr(early_read, "read_aligned", failing)
+    target = _zeros(state)
+    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.restore({"model": target}, step=1)
+    assert _equal(target, state)
+    assert [ok for start, _, ok in claims if start < 16 * MIB] and not [
+        ok for start, _, ok in claims if start >= 16 * MIB and ok
+    ]
+    assert outstanding == [1]  # the one window read early was taken by the reader (its buffer is its own now)
+
+
+def _count_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[buffers the early reads took from the pool and did not give back]"""
+    outstanding = [0]
+    take, give = early_read.take_buffer, early_read.give_back
+
+    def taking() -> object:
+        outstanding[0] += 1
+        return take()
+
+    def giving(buffer: object) -> None:
+        outstanding[0] -= 1
+        give(buffer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(early_read, "take_buffer", taking)
+    monkeypatch.setattr(early_read, "give_back", giving)
+    return outstanding
+
+
+def test_claims_take_one_whole_window_once_and_unclaimed_ones_go_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    outstanding = _count_buffers(monkeypatch)
+    data = os.urandom(36 * MIB + 100)  # three windows, the last one short
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        early = early_read.EarlyReads.start(fd, os.fstat(fd))
+        assert early is not None and early_read.lookup(os.fstat(fd)) is early
+        other = tmp_path / "g"
+        other.write_bytes(data)
+        assert early_read.lookup(other.stat()) is None  # another file: same bytes, another identity
+        again = early_read.EarlyReads.start(
+            fd, os.fstat(fd)
+        )  # a second restore of the same file reads its own
+        assert again is not None and early_read.lookup(os.fstat(fd)) is early
+        assert again.claim(0, 4096) is None
+        again.close()
+        assert early.claim(16 * MIB - 4096, 16 * MIB + 4096) is None  # spans two windows
+        assert early.claim(32 * MIB, 36 * MIB + 8192) is None  # past the end of the file
+        claimed = early.claim(4096, 8192)
+        assert claimed is not None
+        buffer, base, got = claimed
+        assert (base, got) == (0, 16 * MIB) and bytes(memoryview(buffer)[4096:8192]) == data[4096:8192]
+        early_read.give_back(buffer)  # the claimer's now
+        assert early.claim(0, 4096) is None  # taken already
+        early._windows[16 * MIB].result()  # read by now
+        assert outstanding == [1]  # the middle window, nobody's yet
+        early.close()  # gives back the window nobody claimed
+        assert early_read.lookup(os.fstat(fd)) is None
+        assert outstanding == [0]
+    finally:
+        os.close(fd)

@@ -29,7 +29,7 @@ import mmap
 import os
 import queue
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from .direct_io import (
     _O_DIRECT,
@@ -41,7 +41,7 @@ from .direct_io import (
     take_buffer,
 )
 
-__all__ = ["DirectFileReader", "Staged"]
+__all__ = ["DirectFileReader", "Early", "Staged", "open_direct", "read_aligned", "reads_direct"]
 
 ALIGN = 4096  # the largest logical block size O_DIRECT asks alignment to, on the filesystems we know
 _BUFFERS = 4  # two being read, one being copied out of, one spare
@@ -90,8 +90,9 @@ class DirectFileReader:
     window = BUFFER_BYTES  # the most one read spans, its range rounded out to ALIGN at both ends
     buffers = _BUFFERS  # reads returned and not yet released, at most (one more waits)
 
-    def __init__(self, direct_fd: int) -> None:
+    def __init__(self, direct_fd: int, early: Early | None = None) -> None:
         self._fd = direct_fd
+        self._early = early
         self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         self._taken = 0  # buffers taken from the pool (at most self.buffers)
         self._lock = threading.Lock()
@@ -99,26 +100,21 @@ class DirectFileReader:
         self._read_once = False
 
     @classmethod
-    def for_file(cls, fd: int, probe_offset: int) -> DirectFileReader | None:
+    def for_file(cls, fd: int, probe_offset: int, early: Early | None = None) -> DirectFileReader | None:
         """A reader for the file open at ``fd``, or None where buffered reads are the better choice.
 
         None when ``O_DIRECT`` is off or missing, when the page at
         ``probe_offset`` is in the page cache already (the file is warm), or
         when the filesystem refuses ``O_DIRECT`` at open. The new descriptor
         is opened through ``/proc/self/fd``: it is the same file as ``fd``
-        (checked), never whatever is at the path now.
+        (checked), never whatever is at the path now. ``early``: windows of
+        this file read before it was asked for (:mod:`safeckpt.early_read`),
+        taken in place of reading those ranges again.
         """
-        if not direct_io_enabled() or _cached(fd, probe_offset):
+        if not reads_direct(fd, probe_offset):
             return None
-        try:
-            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
-        except OSError:
-            return None  # refused, or no /proc: the buffered reader needs neither
-        same = os.fstat(direct_fd), os.fstat(fd)
-        if (same[0].st_dev, same[0].st_ino) != (same[1].st_dev, same[1].st_ino):
-            os.close(direct_fd)
-            return None
-        return cls(direct_fd)
+        direct_fd = open_direct(fd)
+        return None if direct_fd is None else cls(direct_fd, early)
 
     def read(self, offset: int, length: int) -> Staged | None:
         """The bytes ``[offset, offset + length)``, or None if the filesystem refused (then ``refused``)."""
@@ -133,6 +129,13 @@ class DirectFileReader:
                 f"a direct read of {length} bytes at {offset} spans {end - start}, larger than this "
                 f"reader's {self.window}"
             )
+        claimed = self._early.claim(start, end) if self._early is not None else None
+        if claimed is not None:
+            buffer, base, _ = claimed
+            with self._lock:
+                self._taken += 1  # one of this reader's buffers from now on
+            self._read_once = True
+            return Staged(self, buffer, offset - base, length)
         first = not self._read_once  # asked before the read: another may finish first meanwhile
         buffer = self._take()
         try:
@@ -168,16 +171,7 @@ class DirectFileReader:
         self.close()
 
     def _read_into(self, view: memoryview, offset: int) -> int:
-        """Aligned reads until ``view`` is full or the file ends; the bytes read."""
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n == 0:
-                break  # end of file: the rounded-up end lies past it
-            done += n
-            if done % ALIGN:
-                break  # a short, unaligned read happens only at the end of the file
-        return done
+        return read_aligned(self._fd, view, offset)
 
     def _take(self) -> mmap.mmap:
         with contextlib.suppress(queue.Empty):
@@ -190,6 +184,52 @@ class DirectFileReader:
 
     def _give_back(self, buffer: mmap.mmap) -> None:
         self._free.put(buffer)
+
+
+class Early(Protocol):
+    """Windows of a file read ahead of its reader (:class:`safeckpt.early_read.EarlyReads`)."""
+
+    def claim(self, start: int, end: int) -> tuple[mmap.mmap, int, int] | None:
+        """A read buffer holding the aligned range ``[start, end)``: (buffer, its file offset, bytes)."""
+        ...
+
+
+def reads_direct(fd: int, probe_offset: int) -> bool:
+    """Whether the file open at ``fd`` is read with ``O_DIRECT``: it is on, and the page at
+    ``probe_offset`` is not in the page cache (a warm file is read buffered: a memory copy)."""
+    return direct_io_enabled() and not _cached(fd, probe_offset)
+
+
+def open_direct(fd: int) -> int | None:
+    """A new ``O_DIRECT`` descriptor of the file open at ``fd``, or None where it is refused.
+
+    Opened through ``/proc/self/fd``: the same file as ``fd`` (checked), never
+    whatever is at the path now.
+    """
+    if not _O_DIRECT:
+        return None
+    try:
+        direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return None  # refused, or no /proc: the buffered reader needs neither
+    same = os.fstat(direct_fd), os.fstat(fd)
+    if (same[0].st_dev, same[0].st_ino) != (same[1].st_dev, same[1].st_ino):
+        os.close(direct_fd)
+        return None
+    return direct_fd
+
+
+def read_aligned(fd: int, view: memoryview, offset: int) -> int:
+    """Aligned reads into ``view`` from ``offset`` until it is full or the file ends; the bytes read."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break  # end of file: the rounded-up end lies past it
+        done += n
+        if done % ALIGN:
+            break  # a short, unaligned read happens only at the end of the file
+    return done
 
 
 def _cached(fd: int, offset: int) -> bool:

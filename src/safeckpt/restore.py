@@ -82,8 +82,7 @@ def check_own_files(directory: Path, record: Record, rank: int) -> None:
     problems = missing_or_wrong_files(directory, record)
     if problems:
         raise IncompleteCheckpointError(
-            f"{directory} does not match its record here: {'; '.join(problems[:5])}. Restore another "
-            "step.",
+            f"{directory} does not match its record here: {'; '.join(problems[:5])}. Restore another step.",
             path=str(directory),
             step=record.step,
         )
@@ -171,13 +170,39 @@ def load_checkpoint(
     only when neither is given. Raises :class:`UnsupportedStateError` for a
     value that cannot be loaded into what ``state`` holds.
     """
+    done_reading = prefetch(directory, parts.rank)  # the disk works while this plans
+    try:
+        return _load_checkpoint(
+            state,
+            directory,
+            record,
+            parts,
+            strict=strict,
+            with_rng=with_rng,
+            include=include,
+            exclude=exclude,
+        )
+    finally:
+        done_reading()
+
+
+def _load_checkpoint(
+    state: MutableMapping[Any, Any],
+    directory: Path,
+    record: Record,
+    parts: Participants,
+    *,
+    strict: bool,
+    with_rng: bool,
+    include: Iterable[str] | None,
+    exclude: Iterable[str] | None,
+) -> LoadReport:
     selection = Selection(include, exclude)
     error: BaseException | None = None
     plan: LoadPlan | None = None
     loaded: Any = None
     tree: Any = None
     rng: Any = None
-    prefetch(directory, parts.rank)
     try:
         metadata = dcp_io.read_metadata(directory, record=record)
         tree, rng = read_tree(directory, record, parts.rank)

@@ -76,7 +76,9 @@ from .archive import (
     raw_path_available,
 )
 from .direct_io import DirectFileWriter
-from .direct_read import DirectFileReader
+from .direct_read import DirectFileReader, reads_direct
+from .early_read import EarlyReads
+from .early_read import lookup as early_lookup
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
 from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .zipformat import _ChecksummedStream
@@ -301,7 +303,7 @@ class RawFileSystemReader(FileSystemReader):
         # disk down). A cold file is read with O_DIRECT (direct_read) on two threads, two requests in
         # flight: a reading thread that has to wait for the GIL after its read (up to the 5 ms switch
         # interval while this thread runs Python) would leave the disk idle meanwhile.
-        direct = DirectFileReader.for_file(fd, order[0]) if order else None
+        direct = DirectFileReader.for_file(fd, order[0], early_lookup(os.fstat(fd))) if order else None
         readers = 2 if direct is not None else 1
         position = 0
         with contextlib.ExitStack() as stack:
@@ -607,40 +609,54 @@ def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]
     return tensor
 
 
-def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> None:
-    """Ask the kernel to start reading the first ``limit`` bytes of ``rank``'s shard file now.
+def prefetch(directory: Path, rank: int, *, limit: int = _PREFETCH) -> Callable[[], None]:
+    """Start the disk on ``rank``'s shard file now; returns what to call once the restore has read.
 
     A restore spends tens of milliseconds (record, metadata, DCP's planning)
-    before it reads a tensor; the disk can work meanwhile. Not for a file the
-    reader will read with ``O_DIRECT``: pages in the cache would turn it back to
-    buffered reads. On a thread:
-    ``POSIX_FADV_WILLNEED`` may block while it queues the reads. A hint: a file
-    that is missing, not regular, or on a platform without ``posix_fadvise`` is
-    left alone, and the read that follows checks everything as always.
+    before it reads a tensor; the disk can work meanwhile. A cold file, which
+    the reader will read with ``O_DIRECT``, has its first windows read into
+    pooled buffers that the reader takes (:mod:`safeckpt.early_read`;
+    read-ahead into the page cache would turn the reader buffered); the
+    function returned gives back what it did not take. A warm one gets
+    ``POSIX_FADV_WILLNEED`` for its first ``limit`` bytes, on a thread (it may
+    block while it queues the reads). A hint: a file that is missing or not
+    regular is left alone, and the read that follows checks everything as always.
     """
     path = directory / f"__{rank}_0{_SUFFIX}"
+    try:
+        fd, info = open_regular(path)
+    except Exception:
+        return _nothing
+    try:
+        direct = _reads_direct(fd)
+        early = EarlyReads.start(fd, info) if direct else None  # its own O_DIRECT descriptor
+    except Exception:
+        os.close(fd)
+        return _nothing
+    if direct:
+        os.close(fd)
+        return _nothing if early is None else early.close
 
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            fd, info = open_regular(path)
-            try:
-                if _reads_direct(fd):
-                    return  # read-ahead into the page cache would make the reader take the slow way
-                _advise(fd, 0, min(info.st_size, limit), "POSIX_FADV_WILLNEED")
-            finally:
-                os.close(fd)
+    def advise() -> None:
+        try:
+            _advise(fd, 0, min(info.st_size, limit), "POSIX_FADV_WILLNEED")
+        finally:
+            os.close(fd)
 
-    if hasattr(os, "posix_fadvise"):
-        threading.Thread(target=run, name="safeckpt-prefetch", daemon=True).start()
+    if not hasattr(os, "posix_fadvise"):
+        os.close(fd)
+        return _nothing
+    threading.Thread(target=advise, name="safeckpt-prefetch", daemon=True).start()
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 def _reads_direct(fd: int) -> bool:
     """Whether the reader will read the file open at ``fd`` with ``O_DIRECT`` (it is cold)."""
-    reader = DirectFileReader.for_file(fd, 0)
-    if reader is None:
-        return False
-    reader.close()
-    return True
+    return reads_direct(fd, 0)
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:
