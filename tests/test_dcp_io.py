@@ -300,3 +300,54 @@ def test_metadata_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:
     (tmp_path / METADATA_NAME).write_bytes(pickle.dumps(torch.Size([1, 2])))
     with pytest.raises(IncompleteCheckpointError, match="holds a Size, not DCP metadata"):
         read_metadata(tmp_path)
+
+
+# --- whole-tensor load plans ------------------------------------------------------------------
+
+
+def _plans(state: dict[str, Any], directory: Path) -> tuple[Any, Any]:
+    """(safeckpt's local plan, DCP's) for loading ``directory`` into ``state``."""
+    metadata = read_metadata(directory)
+    ours, theirs = SafeLoadPlanner(), SafeLoadPlanner()
+    ours.set_up_planner(state, metadata, True)
+    theirs.set_up_planner(state, metadata, True)
+    return ours.create_local_plan(), super(SafeLoadPlanner, theirs).create_local_plan()
+
+
+def test_a_whole_tensor_plan_is_the_one_dcp_makes(tmp_path: Path) -> None:
+    state = {
+        "w": torch.randn(3, 4),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "ints": torch.arange(7, dtype=torch.int16),
+        "nested": {"a": torch.randn(2, 2, 2), "b": [torch.ones(5), torch.zeros(1)]},
+    }
+    save(state, tmp_path, None)
+    target = {k: v for k, v in state.items()}
+    ours, theirs = _plans(target, tmp_path)
+    assert ours.items == theirs.items and len(ours.items) == 6  # none for the empty tensor, as DCP
+    for a, b in zip(ours.items, theirs.items, strict=True):
+        assert (a.dest_index.index, a.storage_index.index) == (b.dest_index.index, b.storage_index.index)
+        assert type(a.lengths) is type(b.lengths) and type(a.dest_offsets) is type(b.dest_offsets)
+
+
+def test_anything_but_whole_plain_tensors_is_planned_by_dcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save({"w": torch.randn(4, 4), "v": torch.randn(3)}, tmp_path, None)
+    metadata = read_metadata(tmp_path)
+    assert dcp_io._whole_tensor_plan({"w": torch.zeros(4, 4), "v": torch.zeros(3)}, metadata) is not None
+    assert dcp_io._whole_tensor_plan({"w": torch.zeros(4, 4)}, metadata) is None  # partial
+    assert dcp_io._whole_tensor_plan({"w": torch.zeros(4, 4), "x": torch.zeros(3)}, metadata) is None
+    assert dcp_io._whole_tensor_plan({"w": torch.zeros(2, 8), "v": torch.zeros(3)}, metadata) is None
+    assert dcp_io._whole_tensor_plan({"w": torch.zeros(4, 4), "v": 3}, metadata) is None
+    with pytest.raises(ValueError, match="Size mismatch"):  # DCP's own error, as before
+        _plans({"w": torch.zeros(2, 8), "v": torch.zeros(3)}, tmp_path)
+    asked = []
+    real = dcp_io.DefaultLoadPlanner.create_local_plan
+    monkeypatch.setattr(
+        dcp_io.DefaultLoadPlanner, "create_local_plan", lambda self: (asked.append(1), real(self))[1]
+    )
+    loaded = {"w": torch.zeros(4, 4), "v": torch.zeros(3)}
+    load(loaded, tmp_path, None)
+    assert asked == [] and loaded["w"].abs().sum() > 0  # planned here, loaded right
