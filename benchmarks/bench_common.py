@@ -21,7 +21,6 @@ import contextlib
 import gc
 import os
 import platform
-import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -56,15 +55,24 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def interleaved(items: Sequence[Any], rep: int) -> list[Any]:
-    """The order in which repetition ``rep`` runs ``items``: interleaved by ``rep``, so none always runs
-    first, and for more than two items shuffled too (seeded by ``rep``), so none always follows the
-    same one. In a fixed cyclic order whatever a variant leaves behind (a disk or a host cache still
-    busy with its writes) always falls on the same next variant."""
-    out = list(items)
-    if len(out) > 2:
-        random.Random(rep).shuffle(out)
-    k = rep % len(out) if out else 0
-    return [*out[k:], *out[:k]]
+    """The order in which repetition ``rep`` runs ``items``: row ``rep`` of a Williams design.
+
+    Over ``n`` repetitions (``2n`` for an odd ``n``) every item runs once in
+    every position, and for an even ``n`` every item follows every other one
+    exactly once (odd: twice, over ``2n``). A plain rotation kept the same
+    neighbours in every repetition, so whatever a variant leaves behind (a
+    disk or a host cache still busy with its writes) always fell on the same
+    next variant.
+    """
+    n = len(items)
+    if n <= 2:
+        k = rep % n if n else 0
+        return [*items[k:], *items[:k]]
+    # First row 0, 1, n-1, 2, n-2, ...; row r adds r; odd n: rows n..2n-1 are rows 0..n-1 reversed.
+    offsets = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    row = rep % (2 * n if n % 2 else n)
+    order = [items[(offset + row) % n] for offset in offsets]
+    return order[::-1] if row >= n else order
 
 
 def settle() -> None:

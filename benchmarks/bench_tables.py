@@ -149,7 +149,7 @@ class Table:
 
         Idempotent; a :class:`Report` calls it. Rows given a limit in seconds are left as they are.
         """
-        if self.limit_times:
+        if self.limit_times and any(row.limit_reps for row in self.rows):  # not a report from before
             self.fastest, self.limit_seconds = _fastest(self.limit_times)
         own: list[float] = []
         for row in self.rows:

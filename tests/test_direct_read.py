@@ -480,7 +480,7 @@ def test_failed_early_reads_leave_their_ranges_to_the_reader_and_give_every_buff
     assert [ok for start, _, ok in claims if start < 16 * MIB] and not [
         ok for start, _, ok in claims if start >= 16 * MIB and ok
     ]
-    assert outstanding == [1]  # the one window read early was taken by the reader (its buffer is its own now)
+    assert outstanding == [0]  # the window read early was given back once the restore had read
 
 
 def _count_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -501,11 +501,13 @@ def _count_buffers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return outstanding
 
 
-def test_claims_take_one_whole_window_once_and_unclaimed_ones_go_back(
+def test_claims_serve_ranges_inside_one_window_and_close_gives_every_buffer_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no O_DIRECT on this platform")
+    import threading
+
     outstanding = _count_buffers(monkeypatch)
     data = os.urandom(36 * MIB + 100)  # three windows, the last one short
     path = tmp_path / "f"
@@ -518,23 +520,24 @@ def test_claims_take_one_whole_window_once_and_unclaimed_ones_go_back(
         other = tmp_path / "g"
         other.write_bytes(data)
         assert early_read.lookup(other.stat()) is None  # another file: same bytes, another identity
-        again = early_read.EarlyReads.start(
-            fd, os.fstat(fd)
-        )  # a second restore of the same file reads its own
-        assert again is not None and early_read.lookup(os.fstat(fd)) is early
-        assert again.claim(0, 4096) is None
+        seen: list[object] = []
+        elsewhere = threading.Thread(target=lambda: seen.append(early_read.lookup(os.fstat(fd))))
+        elsewhere.start()
+        elsewhere.join()
+        assert seen == [None]  # another thread's restore reads for itself
+        again = early_read.EarlyReads.start(fd, os.fstat(fd))
+        assert again is not None and again.claim(0, 4096) is None  # the same thread again: reads nothing
         again.close()
+        assert early_read.lookup(os.fstat(fd)) is early
         assert early.claim(16 * MIB - 4096, 16 * MIB + 4096) is None  # spans two windows
-        assert early.claim(32 * MIB, 36 * MIB + 8192) is None  # past the end of the file
-        claimed = early.claim(4096, 8192)
-        assert claimed is not None
-        buffer, base, got = claimed
-        assert (base, got) == (0, 16 * MIB) and bytes(memoryview(buffer)[4096:8192]) == data[4096:8192]
-        early_read.give_back(buffer)  # the claimer's now
-        assert early.claim(0, 4096) is None  # taken already
-        early._windows[16 * MIB].result()  # read by now
-        assert outstanding == [1]  # the middle window, nobody's yet
-        early.close()  # gives back the window nobody claimed
+        assert early.claim(36 * MIB, 36 * MIB + 101) is None  # past the end of the file
+        for start, end in [(4096, 8192), (5, 16 * MIB), (0, 100), (32 * MIB + 7, 36 * MIB + 100)]:
+            claimed = early.claim(start, end)  # any range inside one window, as often as asked
+            assert claimed is not None, (start, end)
+            buffer, base = claimed
+            assert bytes(memoryview(buffer)[start - base : end - base]) == data[start:end]
+        assert outstanding == [3]  # the early reads' own until closed
+        early.close()
         assert early_read.lookup(os.fstat(fd)) is None
         assert outstanding == [0]
     finally:

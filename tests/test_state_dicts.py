@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -136,3 +137,26 @@ def test_a_result_that_is_not_a_renaming_is_not_cached() -> None:
     dicts = StateDicts()
     dicts.model(model), dicts.model(model)
     assert dicts.hits == 0 and dicts.misses == 2
+
+
+def test_a_model_with_fsdp1_modules_goes_to_the_helper_without_a_state_dict_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FSDP1's state_dict() outside the helper's context gathers the whole model: never called here."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import safeckpt.state_dicts as state_dicts
+
+    model = Tied()
+    wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapper)  # an FSDP1 module as far as isinstance can tell
+    model._modules["wrapped"] = wrapper
+    own_calls: list[int] = []
+    real = Tied.state_dict
+    monkeypatch.setattr(
+        Tied, "state_dict", lambda self, *a, **k: (own_calls.append(1), real(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(state_dicts, "get_model_state_dict", lambda m: {"from": "the helper"})
+    dicts = StateDicts()
+    assert dicts.model(model) == {"from": "the helper"} and dicts.model(model) == {"from": "the helper"}
+    assert own_calls == [] and dicts.hits == 0

@@ -54,8 +54,8 @@ class Staged:
     (call it once, after the last copy).
     """
 
-    def __init__(self, reader: DirectFileReader, buffer: mmap.mmap, skip: int, length: int) -> None:
-        self._reader = reader
+    def __init__(self, reader: DirectFileReader | None, buffer: mmap.mmap, skip: int, length: int) -> None:
+        self._reader = reader  # None: the buffer is someone else's, read only
         self._buffer: mmap.mmap | None = buffer
         self.view = memoryview(buffer)[skip : skip + length]
 
@@ -73,7 +73,8 @@ class Staged:
     def release(self) -> None:
         if self._buffer is not None:
             self.view.release()
-            self._reader._give_back(self._buffer)
+            if self._reader is not None:
+                self._reader._give_back(self._buffer)
             self._buffer = None
 
 
@@ -129,13 +130,10 @@ class DirectFileReader:
                 f"a direct read of {length} bytes at {offset} spans {end - start}, larger than this "
                 f"reader's {self.window}"
             )
-        claimed = self._early.claim(start, end) if self._early is not None else None
-        if claimed is not None:
-            buffer, base, _ = claimed
-            with self._lock:
-                self._taken += 1  # one of this reader's buffers from now on
-            self._read_once = True
-            return Staged(self, buffer, offset - base, length)
+        claimed = self._early.claim(offset, offset + length) if self._early is not None else None
+        if claimed is not None:  # read already: the buffer stays the early reads' (nothing to give back)
+            buffer, base = claimed
+            return Staged(None, buffer, offset - base, length)
         first = not self._read_once  # asked before the read: another may finish first meanwhile
         buffer = self._take()
         try:
@@ -189,8 +187,9 @@ class DirectFileReader:
 class Early(Protocol):
     """Windows of a file read ahead of its reader (:class:`safeckpt.early_read.EarlyReads`)."""
 
-    def claim(self, start: int, end: int) -> tuple[mmap.mmap, int, int] | None:
-        """A read buffer holding the aligned range ``[start, end)``: (buffer, its file offset, bytes)."""
+    def claim(self, start: int, end: int) -> tuple[mmap.mmap, int] | None:
+        """A buffer holding the bytes ``[start, end)`` (read only, not the reader's to give back) and
+        the file offset of its first byte, or None."""
         ...
 
 

@@ -6,15 +6,20 @@ first byte, and the disk does nothing meanwhile. Read-ahead into the page
 cache cannot help a file that is read with ``O_DIRECT`` (it would turn the
 reader buffered). :class:`EarlyReads` instead reads the file's first few
 16 MiB windows into pooled buffers on two threads as soon as the checkpoint is
-chosen; the file's :class:`~safeckpt.direct_read.DirectFileReader` then takes
-each buffer (:meth:`EarlyReads.claim`) in place of reading that range itself, and
-:meth:`EarlyReads.close` gives back whatever nobody took.
+chosen. The file's :class:`~safeckpt.direct_read.DirectFileReader` copies any
+range that lies inside one of them out of it (:meth:`EarlyReads.claim`)
+instead of reading it again; :meth:`EarlyReads.close`, once the restore has
+read, gives every buffer back.
 
-Windows are found by the file's identity (device, inode, size, mtime), never
-by its path, so a reader of any other file never sees them. Nothing here
-changes what a restore reads: a window that failed, was refused or came back
-short is simply not claimed (the reader reads the range itself and meets the
-same error), and every archive's CRC32 is checked after it is copied out, as always.
+The buffers stay the early reads' own until then, so a window can serve
+several reads (a batch of small tensors ends inside one) and is given back
+exactly once. Windows are found by the file's identity (device, inode, size,
+mtime), never by its path, and only by the thread that started them (the
+restore's own: a second restore of the same file at the same time reads for
+itself). Nothing here changes what a restore reads: a window that failed, was
+refused or came back short serves nothing (the reader reads the range itself
+and meets the same error), and every archive's CRC32 is checked after it is
+copied out, as always.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ __all__ = ["EarlyReads", "lookup"]
 WINDOWS = 4  # 64 MiB: about what this project's disk reads while a 1 GiB restore plans
 _THREADS = 2  # two requests in flight, as the reader keeps them
 
-FileKey = tuple[int, int, int, int]
+_Key = tuple[int, int, int, int, int]  # device, inode, size, mtime, the thread that started them
 
 _lock = threading.Lock()
-_open: dict[FileKey, EarlyReads] = {}
+_open: dict[_Key, EarlyReads] = {}
 
 
 def _forget_in_child() -> None:
@@ -50,37 +55,41 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def file_key(info: os.stat_result) -> FileKey:
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+def _key(info: os.stat_result) -> _Key:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, threading.get_ident())
 
 
 class EarlyReads:
     """The first ``windows`` windows of the file open at ``direct_fd`` (``O_DIRECT``), being read.
 
-    Call rule: the creator calls :meth:`close` once, after the reads that
-    could claim them are done (it waits for any read still in flight).
+    Call rule: the thread that creates it calls :meth:`close` once, after
+    every read that could claim a window has finished with it.
     """
 
     def __init__(self, direct_fd: int, info: os.stat_result, *, windows: int = WINDOWS) -> None:
         self._fd = direct_fd
-        self.key = file_key(info)
+        self.key = _key(info)
         count = min(windows, -(-info.st_size // BUFFER_BYTES))
         self._windows: dict[int, Future[tuple[mmap.mmap, int]]] = {
             k * BUFFER_BYTES: Future() for k in range(count)
         }
-        self._claimed: set[int] = set()
-        self._threads = [
-            threading.Thread(target=self._read, args=(i,), name="safeckpt-early-read", daemon=True)
-            for i in range(min(_THREADS, count))
-        ]
+        self._threads: list[threading.Thread] = []
         with _lock:
-            if self.key in _open:  # another restore of the same file is under way: it reads its own
+            if self.key in _open:  # this thread restores the file already (it cannot): read nothing
                 self._windows = {}
-                self._threads = []
-            else:
+        try:
+            for i in range(min(_THREADS, len(self._windows))):
+                thread = threading.Thread(
+                    target=self._read, args=(i,), name="safeckpt-early-read", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:
+            self.close()
+            raise
+        if self._windows:
+            with _lock:
                 _open[self.key] = self
-        for thread in self._threads:
-            thread.start()
 
     @classmethod
     def start(cls, fd: int, info: os.stat_result) -> EarlyReads | None:
@@ -93,38 +102,37 @@ class EarlyReads:
             return None
         return cls(direct_fd, info)
 
-    def claim(self, start: int, end: int) -> tuple[mmap.mmap, int, int] | None:
-        """The buffer of the window holding ``[start, end)``, its file offset and the bytes it holds,
-        once read; None if no window holds that range or its read failed. The caller owns the buffer."""
+    def claim(self, start: int, end: int) -> tuple[mmap.mmap, int] | None:
+        """The buffer of the window that holds the bytes ``[start, end)``, once read, and the file
+        offset of its first byte; None if no window holds them all or its read failed. The buffer
+        stays this object's: read from it, and be done before :meth:`close`."""
         base = start - start % BUFFER_BYTES
-        with _lock:
-            window = self._windows.get(base)
-            if window is None or base in self._claimed or end > base + BUFFER_BYTES:
-                return None
-            self._claimed.add(base)
+        window = self._windows.get(base)
+        if window is None or end > base + BUFFER_BYTES:
+            return None
         try:
             buffer, got = window.result()
-        except BaseException:
+        except BaseException:  # refused, an I/O error: the reader reads the range itself
             return None
         if end > base + got:
-            give_back(buffer)  # short: the file ended (or changed); the reader finds out itself
-            return None
-        return buffer, base, got
+            return None  # past the end of the file: the reader finds out itself
+        return buffer, base
 
     def close(self) -> None:
-        """Wait for the reads in flight, give back every buffer nobody claimed, close the file."""
+        """Wait for the reads in flight, give every buffer back, close the file."""
         with _lock:
             if _open.get(self.key) is self:
                 del _open[self.key]
         for thread in self._threads:
             thread.join()
-        for base, window in self._windows.items():
-            if base not in self._claimed:
-                with contextlib.suppress(BaseException):
+        windows, self._windows = self._windows, {}
+        for window in windows.values():
+            if window.done() and window.exception() is None:
+                with contextlib.suppress(Exception):  # a view left by a failed read: the buffer is dropped
                     give_back(window.result()[0])
-        self._claimed.update(self._windows)
         with contextlib.suppress(OSError):
-            os.close(self._fd)
+            if self._fd >= 0:
+                os.close(self._fd)
         self._fd = -1
 
     def _read(self, first: int) -> None:
@@ -144,6 +152,6 @@ class EarlyReads:
 
 
 def lookup(info: os.stat_result) -> EarlyReads | None:
-    """The early reads of the file ``info`` describes, if a restore started them."""
+    """The early reads this thread started of the file ``info`` describes, if any."""
     with _lock:
-        return _open.get(file_key(info))
+        return _open.get(_key(info))

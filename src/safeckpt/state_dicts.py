@@ -45,8 +45,9 @@ class _ModelRenames:
 @dataclass(frozen=True)
 class _OptimizerRenames:
     model: weakref.ref[nn.Module]
-    params: tuple[int, ...]
-    """ids of the optimizer's parameters, in param_groups order, when checked."""
+    params: tuple[torch.Tensor, ...]
+    """The optimizer's parameters, in param_groups order, when checked (the objects: an id can be
+    reused by a new parameter once the old one is freed)."""
     fqns: tuple[str, ...]
     """The FQN of parameter index i of ``optimizer.state_dict()``."""
 
@@ -55,7 +56,11 @@ class StateDicts:
     """Cached ``get_model_state_dict`` / ``get_optimizer_state_dict`` for one manager's saves.
 
     Not thread-safe: ``save()`` calls it on the training thread. Holds the
-    models and optimizers weakly.
+    models and optimizers weakly (an optimizer's cached parameters strongly,
+    as the optimizer itself does). A model or optimizer whose result did not
+    check out once, or a model with FSDP1 modules (whose ``state_dict()``
+    outside the helper's context gathers the full model), goes to the helpers
+    from then on, without the check.
     """
 
     def __init__(self) -> None:
@@ -63,13 +68,18 @@ class StateDicts:
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerRenames] = (
             weakref.WeakKeyDictionary()
         )
+        self._helpers_only: weakref.WeakSet[Any] = weakref.WeakSet()
         self.hits = 0
         self.misses = 0
 
     def model(self, model: nn.Module) -> dict[str, Any]:
         """``get_model_state_dict(model)``."""
-        raw = model.state_dict()
         known = self._models.get(model)
+        if known is None and (model in self._helpers_only or _has_fsdp1(model)):
+            self._helpers_only.add(model)
+            self.misses += 1
+            return get_model_state_dict(model)
+        raw = model.state_dict()
         if known is not None and tuple(raw) == known.keys:
             self.hits += 1
             return raw if known.pairs is None else {fqn: raw[key] for key, fqn in known.pairs}
@@ -80,6 +90,7 @@ class StateDicts:
             self._models[model] = renames
         else:
             self._models.pop(model, None)
+            self._helpers_only.add(model)
         return full
 
     def optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -90,22 +101,37 @@ class StateDicts:
             known is not None
             and optimizer.state
             and known.model() is model
-            and _param_ids(optimizer) == known.params
+            and _same_objects(_params(optimizer), known.params)
         ):
             self.hits += 1
             return _renamed_optimizer(optimizer.state_dict(), known.fqns)
         self.misses += 1
         full = get_optimizer_state_dict(model, optimizer)
+        if optimizer in self._helpers_only or model in self._helpers_only:
+            return full
         renames = _optimizer_renames(model, optimizer, full)
         if renames is not None:
             self._optimizers[optimizer] = renames
         else:
             self._optimizers.pop(optimizer, None)
+            self._helpers_only.add(optimizer)
         return full
 
 
-def _param_ids(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-    return tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+def _params(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
+    return tuple(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _has_fsdp1(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def _model_renames(raw: Mapping[str, Any], full: Mapping[str, Any]) -> _ModelRenames | None:
@@ -144,7 +170,7 @@ def _optimizer_renames(
     fqns = tuple(names)
     if not _same(_renamed_optimizer(raw, fqns), full):
         return None
-    return _OptimizerRenames(weakref.ref(model), _param_ids(optimizer), fqns)
+    return _OptimizerRenames(weakref.ref(model), _params(optimizer), fqns)
 
 
 def _renamed_optimizer(raw: Mapping[str, Any], fqns: Sequence[str]) -> dict[str, Any]:
