@@ -88,14 +88,20 @@ def full_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def save_sharded(rank: int, ws: int, root: Path, results: Path, async_save: bool) -> dict[str, Any]:
     state = build(ws)
     train(state, rank, 3)
+    groups = _live_groups()
     with CheckpointManager(root, async_save=async_save, timeout=60) as mgr:
         mgr.save(3, state, metrics={"loss": 1.0})
         mgr.wait()
         latest = mgr.latest_step
+        opened = _live_groups() - groups
     weights = full_weights(state)
     if rank == 0:
         save_file(weights, str(results / "expected.safetensors"))
-    return {"latest": latest}
+    return {"latest": latest, "groups_opened": opened, "groups_left": _live_groups() - groups}
+
+
+def _live_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
 
 
 def restore_sharded(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:

@@ -88,6 +88,10 @@ def main() -> None:
                 },
                 f,
             )
+    if torch.distributed.is_initialized():
+        # torch asks every script to do this and Lightning leaves it to the script: a gloo
+        # group left to interpreter exit can abort the process after a run that succeeded
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -78,6 +78,20 @@ class Participants:
             timeout=timeout,
         )
 
+    def release(self) -> None:
+        """Shut down the two groups (idempotent; call once no collective runs on them).
+
+        Left for interpreter exit, a gloo group's worker threads can still hold a
+        finished collective's tensors; freeing them there takes the GIL while
+        Python finalizes, and the process aborts ("terminate called without an
+        active exception") after a run that succeeded.
+        """
+        groups, self.control, self.writer = (self.control, self.writer), None, None
+        for group in groups:
+            # gone already when the caller destroyed every group first
+            if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
@@ -90,6 +104,7 @@ class Participants:
         """Every rank's ``obj``, in rank order. Collective over ``group``."""
         if not self.distributed:
             return [obj]
+        self._check_group(group)
         out: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(out, obj, group=group)
@@ -101,6 +116,7 @@ class Participants:
         """Rank 0's ``obj`` on every rank. Collective over ``group``."""
         if not self.distributed:
             return obj
+        self._check_group(group)
         box = [obj]
         try:
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
@@ -130,6 +146,14 @@ class Participants:
             assert error is not None
             raise error
         raise agreed_error(failures, what=what, step=step)
+
+    @staticmethod
+    def _check_group(group: dist.ProcessGroup | None) -> None:
+        # None would silently mean the default group: here it means release() ran
+        if group is None:
+            raise CheckpointError(
+                "the manager's process groups were released by close(); create a new manager."
+            )
 
     def _lost(self, what: str, cause: Exception) -> RankAgreementError:
         return RankAgreementError(

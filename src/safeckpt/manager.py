@@ -364,7 +364,10 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         # only now, with the last save durable: a second SIGTERM during it only set the flag
         attempt(self._signals.restore)
         error = errors[0] if errors else None
-        self._conclude(error, what="close()")
+        try:
+            self._conclude(error, what="close()")
+        finally:
+            self._parts.release()  # after the last collective on them
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -622,14 +625,17 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
     # --- exit ---------------------------------------------------------------------
 
     def _drain_at_exit(self) -> None:
-        if self._closed or self._writer is None or not self._writer.pending:
+        if self._closed:
             return
-        logger.warning(
-            "safeckpt: the interpreter is exiting without close(); waiting for %d queued save(s) of %s",
-            self._writer.pending,
-            self.root,
-        )
-        self._writer.wait_idle(timeout=self._parts.timeout)
+        if self._writer is not None and self._writer.pending:
+            logger.warning(
+                "safeckpt: the interpreter is exiting without close(); waiting for %d queued save(s) of %s",
+                self._writer.pending,
+                self.root,
+            )
+            self._writer.wait_idle(timeout=self._parts.timeout)
+        if self._writer is None or not self._writer.pending:
+            self._parts.release()  # while Python is whole (see Participants.release)
 
 
 def _positive_seconds(name: str, value: Any) -> float:
