@@ -134,8 +134,33 @@ def group_managers(rank: int, ws: int, root: Path, results: Path) -> dict[str, A
     return {"step": step, "latest": latest, "w": fresh["w"].tolist(), "world_size": record["world_size"]}
 
 
+def one_rank_changes_dtype(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
+    """Saves reuse their DCP plans; then only rank 1's tensor becomes bf16 (same shape)."""
+    state = {f"stage{rank}": {"w": torch.arange(6.0).reshape(2, 3) + rank}}
+    with CheckpointManager(root, async_save=False, timeout=60) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        if rank == 1:
+            state["stage1"]["w"] = state["stage1"]["w"].to(torch.bfloat16) / 3
+        mgr.save(3, state)
+    whole = safeckpt.load(root)
+    return {
+        name: {"dtype": str(w["w"].dtype), "equal": torch.equal(w["w"], state[name]["w"])}
+        for name, w in whole.items()
+        if name in state
+    } | {"dtypes": {name: str(w["w"].dtype) for name, w in whole.items()}}
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
-    f.__name__: f for f in (dtensor_save, dtensor_restore, fsdp_plain_dicts, pipeline_stages, group_managers)
+    f.__name__: f
+    for f in (
+        dtensor_save,
+        dtensor_restore,
+        fsdp_plain_dicts,
+        pipeline_stages,
+        group_managers,
+        one_rank_changes_dtype,
+    )
 }
 
 

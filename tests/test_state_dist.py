@@ -77,6 +77,13 @@ def test_pipeline_stages_with_disjoint_keys_share_one_checkpoint(tmp_path: Path)
     assert all(o["whole"] == ["stage0", "stage1"] for o in out)
 
 
+def test_a_dtype_change_on_one_rank_reaches_the_metadata_despite_cached_plans(tmp_path: Path) -> None:
+    out = run("one_rank_changes_dtype", 2, tmp_path / "ckpt", tmp_path / "results")
+    assert out[0]["stage0"] == {"dtype": "torch.float32", "equal": True}
+    assert out[1]["stage1"] == {"dtype": "torch.bfloat16", "equal": True}
+    assert all(o["dtypes"] == {"stage0": "torch.float32", "stage1": "torch.bfloat16"} for o in out)
+
+
 def test_managers_scoped_to_process_groups_run_side_by_side(tmp_path: Path) -> None:
     out = run("group_managers", 4, tmp_path / "ckpt", tmp_path / "results")
     assert [o["w"] for o in out] == [[0.0] * 3, [0.0] * 3, [10.0] * 3, [10.0] * 3]

@@ -42,6 +42,7 @@ from .record import Record, list_files, read_record, write_record
 from .registration import CommitInfo, RegistrationWorker, is_best
 from .removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .retention import Policy, Retention, retention_json
+from .save_plans import SavePlans
 from .state import nest_for_dcp, train_state_filename
 from .view import Committed, SaveJob, SaveView
 from .writer import COMMITTED, FAILED, StagingPool
@@ -57,6 +58,7 @@ class CommitPath:
     root: Path
     retention: Retention | Policy
     _parts: Participants
+    _plans: SavePlans
     _layout: Layout
     _ops: FileOps
     _view: SaveView
@@ -112,7 +114,9 @@ class CommitPath:
         try:
             job.staging_dir.mkdir(parents=True, exist_ok=True)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
-            written = dcp_io.save(nest_for_dcp(job.dcp_state), job.staging_dir, parts.writer)
+            written = dcp_io.save(
+                nest_for_dcp(job.dcp_state), job.staging_dir, parts.writer, plans=self._plans
+            )
             train_name = train_state_filename(parts.rank)
             self._ops.write_file(job.staging_dir / train_name, job.train_state)
             sums = {name: checksum.to_json() for name, checksum in written.items()}

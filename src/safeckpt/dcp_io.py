@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .integrity import FileChecksum, check_member_name, parse_checksums, read_verified
 from .record import Record, read_record
+from .save_plans import SavePlans
 from .storage import RawFileSystemReader, RawFileSystemWriter
 
 logger = logging.getLogger(__name__)
@@ -345,19 +346,25 @@ def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
 
 
 def save(
-    state_dict: Mapping[str, Any], directory: Path, group: dist.ProcessGroup | None
+    state_dict: Mapping[str, Any],
+    directory: Path,
+    group: dist.ProcessGroup | None,
+    *,
+    plans: SavePlans | None = None,
 ) -> dict[str, FileChecksum]:
     """Write ``state_dict`` with DCP into ``directory``; every file fsynced.
 
     Collective over ``group`` (every rank of it calls this with the same
-    directory). Returns the CRC32 segments of the files this rank wrote that
-    it could checksum as it wrote them (DCP's own writer: none; the caller
-    checksums what is missing).
+    directory). ``plans``: the plans of earlier saves of the same caller, reused
+    where nothing changed. Returns the CRC32 segments of the files this rank
+    wrote that it could checksum as it wrote them (DCP's own writer: none; the
+    caller checksums what is missing).
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     writer_class = FileSystemWriter if _torch_io() else RawFileSystemWriter
     writer = writer_class(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
-    dcp.save(dict(state_dict), storage_writer=writer, **_group_or_none(group))
+    planner = None if plans is None else plans.planner()
+    dcp.save(dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group))
     return dict(getattr(writer, "checksums", {}))
 
 

@@ -61,6 +61,7 @@ from .restore import check_own_files, load_checkpoint
 from .restored import Restored
 from .resume import ResumePath, _attempt
 from .retention import Policy, Retention, is_policy, with_pinned
+from .save_plans import SavePlans
 from .schedule import SaveSchedule
 from .state import (
     StateCache,
@@ -167,6 +168,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         # process_group: the ranks that checkpoint together (one pipeline stage, say); None: all.
         self._parts = Participants.create(timeout=timeout, group=process_group)
         self._state_cache = StateCache()  # the state's structure, reused while it stays the same
+        self._plans = SavePlans()  # DCP's plans of this manager's saves, reused while they stay the same
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
 
@@ -352,6 +354,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         if self._writer is not None:
             attempt(self._writer.close)
         attempt(self._close_registration)
+        self._plans.forget()
         if self._deleter is not None:
             deleter = self._deleter
             attempt(lambda: deleter.drain(self.drain_timeout))

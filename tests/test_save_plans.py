@@ -1,0 +1,101 @@
+"""DCP's save plans are reused between saves of one manager, and only while nothing changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.planner import SavePlanner
+
+import safeckpt
+from safeckpt import CheckpointManager, Retention
+from safeckpt.dcp_io import read_metadata
+from safeckpt.save_plans import _CACHES
+
+
+@pytest.fixture
+def global_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times DCP made a global plan (once per save without a cached plan)."""
+    made: list[int] = []
+    original = default_planner.create_default_global_save_plan
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(default_planner, "create_default_global_save_plan", counting)
+    return made
+
+
+def fresh_metadata(tmp_path: Path, state: dict[str, Any]) -> Any:
+    """The ``.metadata`` a manager with nothing cached writes for ``state``."""
+    with CheckpointManager(tmp_path / "fresh", async_save=False, retention=Retention()) as mgr:
+        mgr.save(0, state)
+        return read_metadata(mgr.root / "step_0")
+
+
+def same(loaded: Any, saved: Any) -> bool:
+    """Equal values, dtypes, keys and key types."""
+    if isinstance(saved, torch.Tensor):
+        return loaded.dtype == saved.dtype and torch.equal(loaded, saved.detach())
+    return [(type(k), k) for k in loaded] == [(type(k), k) for k in saved] and all(
+        same(loaded[k], saved[k]) for k in saved
+    )
+
+
+def test_a_plan_is_reused_while_the_state_keeps_its_shape(tmp_path: Path, global_plans: list[int]) -> None:
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "step": 0}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        for step in range(1, 4):
+            state["model"]["w"].add_(1.0)  # new values, same plan
+            mgr.save(step, state)
+        assert len(global_plans) == 1
+        key = mgr._plans.key
+        assert all(key in getattr(SavePlanner, name) for name in _CACHES)
+    assert not any(key in getattr(SavePlanner, name) for name in _CACHES)  # forgotten at close
+    loaded = safeckpt.load(tmp_path / "ckpt")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+
+
+@pytest.mark.parametrize(
+    "before, after, plans",
+    [
+        # same names, shapes and offsets: DCP's own comparison calls these plans equal
+        ({"w": torch.ones(4, 3)}, {"w": torch.ones(4, 3, dtype=torch.bfloat16)}, 2),
+        ({"w": torch.ones(4, 3)}, {"w": torch.ones(4, 3, requires_grad=True)}, 2),
+        # the key's type lives in the train state: DCP's plan is the same, and so is reused
+        ({"m": {0: torch.ones(2)}}, {"m": {"0": torch.ones(2)}}, 1),
+    ],
+    ids=["dtype", "requires-grad", "int-key-to-str"],
+)
+def test_a_change_dcps_comparison_misses_is_planned_anew(
+    tmp_path: Path, global_plans: list[int], before: dict[str, Any], after: dict[str, Any], plans: int
+) -> None:
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, before)
+        mgr.save(2, before)
+        mgr.save(3, after)
+        assert len(global_plans) == plans
+        written = read_metadata(mgr.root / "step_3")
+    expected = fresh_metadata(tmp_path, after)
+    assert written.state_dict_metadata == expected.state_dict_metadata
+    assert written.planner_data == expected.planner_data
+    assert same(safeckpt.load(tmp_path / "ckpt"), after)
+
+
+def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path) -> None:
+    a = {"x": torch.arange(6.0).reshape(2, 3)}
+    b = {"x": torch.arange(6, dtype=torch.float64).reshape(3, 2)}
+    with (
+        CheckpointManager(tmp_path / "a", async_save=False, retention=Retention()) as ma,
+        CheckpointManager(tmp_path / "b", async_save=False, retention=Retention()) as mb,
+    ):
+        for step in range(1, 3):
+            ma.save(step, a)
+            mb.save(step, b)
+    assert torch.equal(safeckpt.load(tmp_path / "a")["x"], a["x"])
+    assert torch.equal(safeckpt.load(tmp_path / "b")["x"], b["x"])
+    assert read_metadata(tmp_path / "b" / "step_2").state_dict_metadata["x"].size == torch.Size([3, 2])
