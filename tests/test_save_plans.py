@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 import safeckpt
-from safeckpt import CheckpointManager, Retention
+from safeckpt import CheckpointManager, Retention, save_plans
 from safeckpt.dcp_io import read_metadata
 from safeckpt.save_plans import _CACHES
 
@@ -99,3 +99,16 @@ def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path) -> Non
     assert torch.equal(safeckpt.load(tmp_path / "a")["x"], a["x"])
     assert torch.equal(safeckpt.load(tmp_path / "b")["x"], b["x"])
     assert read_metadata(tmp_path / "b" / "step_2").state_dict_metadata["x"].size == torch.Size([3, 2])
+
+
+def test_a_torch_without_plan_caching_plans_every_save(
+    tmp_path: Path, global_plans: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(save_plans, "CACHING", False)
+    state = {"w": torch.randn(3)}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        assert not any(mgr._plans.key in getattr(SavePlanner, name) for name in _CACHES)
+    assert len(global_plans) == 2
+    assert torch.equal(safeckpt.load(tmp_path / "ckpt")["w"], state["w"])

@@ -363,7 +363,7 @@ def save(
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     writer_class = FileSystemWriter if _torch_io() else RawFileSystemWriter
     writer = writer_class(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
-    planner = None if plans is None else plans.planner()
+    planner = None if plans is None else plans.planner()  # None: DCP plans anew
     dcp.save(dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group))
     return dict(getattr(writer, "checksums", {}))
 

@@ -21,9 +21,11 @@ gets its whole final plan back (DCP's comparison of final plans is as loose).
 
 from __future__ import annotations
 
+import inspect
 import uuid
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 # DCP's class-level caches (torch.distributed.checkpoint.default_planner), by key.
@@ -36,14 +38,22 @@ _CACHES = (
 )
 
 
+# DCP's plan caching as this module was written against (torch 2.13); a torch without it plans
+# every save in full.
+CACHING = all(hasattr(SavePlanner, name) for name in _CACHES) and (
+    "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+)
+
+
 class SavePlans:
     """The DCP plans of one manager's saves. :meth:`forget` drops them (at close)."""
 
     def __init__(self) -> None:
         self.key = f"safeckpt-{uuid.uuid4().hex}"
 
-    def planner(self) -> SavePlanner:
-        return _StrictCachingPlanner(self.key)
+    def planner(self) -> SavePlanner | None:
+        """The planner for the next save (None: DCP's default, which caches nothing)."""
+        return _StrictCachingPlanner(self.key) if CACHING else None
 
     def forget(self) -> None:
         for name in _CACHES:
@@ -66,13 +76,15 @@ class _StrictCachingPlanner(DefaultSavePlanner):
             return SavePlan([], usable=False)
         return plan
 
-    def create_global_plan(self, all_plans: list[SavePlan]):  # type: ignore[no-untyped-def]
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         delta, metadata = super().create_global_plan(all_plans)
-        # A rank that sent a plan takes its whole final plan, never its cached one.
-        delta = [
-            whole if sent.usable else part
-            for part, whole, sent in zip(delta, self.global_plan, all_plans, strict=True)
-        ]
+        whole = getattr(self, "global_plan", None)
+        if whole is not None and len(whole) == len(delta) == len(all_plans):
+            # A rank that sent a plan takes its whole final plan, never its cached one.
+            delta = [
+                full if sent.usable else part
+                for part, full, sent in zip(delta, whole, all_plans, strict=True)
+            ]
         return delta, metadata
 
 
