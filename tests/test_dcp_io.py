@@ -351,3 +351,45 @@ def test_anything_but_whole_plain_tensors_is_planned_by_dcp(
     loaded = {"w": torch.zeros(4, 4), "v": torch.zeros(3)}
     load(loaded, tmp_path, None)
     assert asked == [] and loaded["w"].abs().sum() > 0  # planned here, loaded right
+
+
+def test_the_flattening_of_a_nested_state_is_dcps() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from safeckpt.dcp_io import flatten_nested
+    from safeckpt.state import nest_for_dcp
+
+    flat = {
+        "step": torch.tensor(3),
+        "model.w": torch.randn(2, 3),
+        "model.layers.0.b": torch.randn(3),
+        "optim.state.model%2Ew.exp_avg": torch.randn(2, 3),
+        "é x/y": torch.randn(1),
+        "p": nn.Parameter(torch.randn(2)),
+    }
+    nested = nest_for_dcp(flat)
+    ours = flatten_nested(nested)
+    assert ours is not None
+    theirs = flatten_state_dict(nested)
+    assert list(ours[0]) == list(theirs[0]) and ours[1] == theirs[1]
+    assert all(ours[0][k] is theirs[0][k] for k in theirs[0])
+
+
+@pytest.mark.parametrize(
+    "nested",
+    [
+        {"a": torch.empty(2, device="meta")},  # DCP materializes meta tensors
+        {"a": {1: torch.ones(1)}},
+        {1: torch.ones(1)},
+        {"a": [torch.ones(1)]},
+        {"a": {}},
+        {"a": {"b": 3}},
+        {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}},  # DCP raises its own error
+        {"a": {"b": {"c": torch.ones(1)}}},
+    ],
+    ids=["meta", "int-key", "int-top-key", "list", "empty", "non-tensor", "duplicate", "deeper"],
+)
+def test_any_other_shape_is_flattened_by_dcp(nested: dict[Any, Any]) -> None:
+    from safeckpt.dcp_io import flatten_nested
+
+    assert flatten_nested(nested) is None

@@ -24,12 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.tensor import DTensor
 
 from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .integrity import FileChecksum, check_member_name, parse_checksums, read_verified
@@ -287,6 +289,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     non-tensor value) is planned by DCP, which also raises its own errors.
     """
 
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        flat = flatten_nested(state_dict) if self.flatten_state_dict else None
+        if flat is None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        super().set_up_planner({}, metadata, is_coordinator)  # every other field, as DCP sets it
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flat
+
     def create_local_plan(self) -> LoadPlan:
         plan = _whole_tensor_plan(self.state_dict, self.metadata)
         return plan if plan is not None else super().create_local_plan()
@@ -304,6 +317,35 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def flatten_nested(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
+    """What DCP's ``flatten_state_dict`` gives for ``state.nest_for_dcp``'s output, without its walk.
+
+    DCP's walk costs about 10 us per tensor (0.1 s of a 10,000-tensor save or
+    restore). None for anything else (another shape, a ShardedTensor, a meta
+    tensor DCP would materialize, two keys flattening alike): DCP then flattens.
+    """
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    for head, value in nested.items():
+        if not isinstance(head, str):
+            return None
+        leaves = value.items() if isinstance(value, dict) and value else [(None, value)]
+        for tail, leaf in leaves:
+            if not _plain_leaf(leaf) or (tail is not None and not isinstance(tail, str)):
+                return None
+            fqn, path = (head, (head,)) if tail is None else (f"{head}.{tail}", (head, tail))
+            if fqn in flat:
+                return None
+            flat[fqn] = leaf
+            paths[fqn] = path
+    return flat, paths
+
+
+def _plain_leaf(value: Any) -> bool:
+    """A tensor DCP's flattening passes through as it is (not a ShardedTensor, not on meta)."""
+    return type(value) in (torch.Tensor, nn.Parameter, DTensor) and value.device.type != "meta"
 
 
 def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan | None:
