@@ -22,7 +22,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from safeckpt import CheckpointManager, Retention
+from safeckpt import CheckpointManager, Retention, distributed
+from safeckpt.errors import CheckpointError
 from safeckpt.fileops import FileOps
 
 
@@ -94,10 +95,24 @@ def save_sharded(rank: int, ws: int, root: Path, results: Path, async_save: bool
         mgr.wait()
         latest = mgr.latest_step
         opened = _live_groups() - groups
+    left = _live_groups() - groups
+    # a manager never closed keeps its groups until the exit hook, which runs last
+    spare = CheckpointManager(root, async_save=False, timeout=60)
+    unclosed = _live_groups() - groups
+    distributed._release_all()
+    try:
+        spare.wait()  # a collective on released groups refuses: it never falls back to the default group
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
     weights = full_weights(state)
     if rank == 0:
         save_file(weights, str(results / "expected.safetensors"))
-    return {"latest": latest, "groups_opened": opened, "groups_left": _live_groups() - groups}
+    return {
+        "latest": latest,
+        "groups": [opened, left, unclosed, _live_groups() - groups],
+        "refused": refused,
+    }
 
 
 def _live_groups() -> int:

@@ -356,8 +356,7 @@ def test_anything_but_whole_plain_tensors_is_planned_by_dcp(
 def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from safeckpt.dcp_io import flatten_nested
-    from safeckpt.state import nest_for_dcp
+    from safeckpt.dcp_nesting import flatten_nested, nest_for_dcp
 
     flat = {
         "step": torch.tensor(3),
@@ -390,6 +389,6 @@ def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     ids=["meta", "int-key", "int-top-key", "list", "empty", "non-tensor", "duplicate", "deeper"],
 )
 def test_any_other_shape_is_flattened_by_dcp(nested: dict[Any, Any]) -> None:
-    from safeckpt.dcp_io import flatten_nested
+    from safeckpt.dcp_nesting import flatten_nested
 
     assert flatten_nested(nested) is None

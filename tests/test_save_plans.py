@@ -13,7 +13,12 @@ from torch.distributed.checkpoint.planner import SavePlanner
 import safeckpt
 from safeckpt import CheckpointManager, Retention, save_plans
 from safeckpt.dcp_io import read_metadata
+from safeckpt.errors import SaveFailedError
 from safeckpt.save_plans import _CACHES
+from safeckpt.storage import RawFileSystemWriter
+
+# Every test but the last needs DCP's plan caches (torch 2.13 has them; an older torch may not).
+needs_caching = pytest.mark.skipif(not save_plans.CACHING, reason="this torch has no DCP plan caching")
 
 
 @pytest.fixture
@@ -46,6 +51,7 @@ def same(loaded: Any, saved: Any) -> bool:
     )
 
 
+@needs_caching
 def test_a_plan_is_reused_while_the_state_keeps_its_shape(tmp_path: Path, global_plans: list[int]) -> None:
     state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "step": 0}
     with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
@@ -60,6 +66,7 @@ def test_a_plan_is_reused_while_the_state_keeps_its_shape(tmp_path: Path, global
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
 
 
+@needs_caching
 @pytest.mark.parametrize(
     "before, after, plans",
     [
@@ -86,9 +93,10 @@ def test_a_change_dcps_comparison_misses_is_planned_anew(
     assert same(safeckpt.load(tmp_path / "ckpt"), after)
 
 
-def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path) -> None:
+@needs_caching
+def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path, global_plans: list[int]) -> None:
     a = {"x": torch.arange(6.0).reshape(2, 3)}
-    b = {"x": torch.arange(6, dtype=torch.float64).reshape(3, 2)}
+    b = {"x": torch.arange(6, dtype=torch.float64).reshape(2, 3)}  # DCP's comparison: the same plan
     with (
         CheckpointManager(tmp_path / "a", async_save=False, retention=Retention()) as ma,
         CheckpointManager(tmp_path / "b", async_save=False, retention=Retention()) as mb,
@@ -96,9 +104,50 @@ def test_two_managers_in_one_process_keep_their_own_plans(tmp_path: Path) -> Non
         for step in range(1, 3):
             ma.save(step, a)
             mb.save(step, b)
+    assert len(global_plans) == 2  # one plan each; one cache for both would plan all 4 saves
     assert torch.equal(safeckpt.load(tmp_path / "a")["x"], a["x"])
     assert torch.equal(safeckpt.load(tmp_path / "b")["x"], b["x"])
-    assert read_metadata(tmp_path / "b" / "step_2").state_dict_metadata["x"].size == torch.Size([3, 2])
+    assert read_metadata(tmp_path / "b" / "step_2").state_dict_metadata["x"].properties.dtype == torch.float64
+
+
+@needs_caching
+def test_a_failed_save_drops_the_plans_and_the_next_one_plans_in_full(
+    tmp_path: Path, global_plans: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"w": torch.ones(4, 3)}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, state)
+        state["w"] = state["w"].to(torch.bfloat16)  # a new plan, cached only if its save succeeds
+        original = RawFileSystemWriter.write_data
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "No space left on device (injected)")
+
+        monkeypatch.setattr(RawFileSystemWriter, "write_data", failing)
+        with pytest.raises(SaveFailedError, match="injected"):
+            mgr.save(2, state)
+        assert not any(mgr._plans.key in getattr(SavePlanner, name) for name in _CACHES)
+        monkeypatch.setattr(RawFileSystemWriter, "write_data", original)
+        mgr.save(3, state)
+        assert len(global_plans) == 3
+        assert read_metadata(mgr.root / "step_3").state_dict_metadata["w"].properties.dtype == torch.bfloat16
+        assert mgr.latest_step == 3 and not (mgr.root / "step_2").exists()
+
+
+@needs_caching
+def test_a_plan_reused_against_a_lost_coordinator_cache_fails_the_save_not_the_checkpoint(
+    tmp_path: Path, global_plans: list[int]
+) -> None:
+    state = {"w": torch.ones(4, 3), "b": torch.zeros(2)}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, state)
+        del SavePlanner._cached_all_plans[mgr._plans.key]  # as if the coordinator had lost it
+        with pytest.raises(SaveFailedError, match="no longer holds"):
+            mgr.save(2, state)
+        mgr.save(3, state)
+        assert len(global_plans) == 2
+        assert sorted(read_metadata(mgr.root / "step_3").state_dict_metadata) == ["b", "w"]
+    assert torch.equal(safeckpt.load(tmp_path / "ckpt")["w"], state["w"])
 
 
 def test_a_torch_without_plan_caching_plans_every_save(

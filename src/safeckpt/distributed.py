@@ -14,7 +14,9 @@ them deadlocks under tightly spaced async saves. Without ``torch.distributed``
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from .errors import CheckpointError, RankAgreementError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,12 +55,14 @@ class Participants:
             delta = datetime.timedelta(seconds=timeout)
             control = dist.new_group(backend="gloo", timeout=delta)
             writer = dist.new_group(backend="gloo", timeout=delta)
-            return cls(
-                rank=dist.get_rank(),
-                world_size=dist.get_world_size(),
-                control=control,
-                writer=writer,
-                timeout=timeout,
+            return _unreleased(
+                cls(
+                    rank=dist.get_rank(),
+                    world_size=dist.get_world_size(),
+                    control=control,
+                    writer=writer,
+                    timeout=timeout,
+                )
             )
         ranks = sorted(dist.get_process_group_ranks(group))
         if dist.get_rank() not in ranks:
@@ -70,12 +76,14 @@ class Participants:
         # Local synchronization: only the group's ranks take part in creating these groups.
         control = dist.new_group(ranks, backend="gloo", timeout=delta, use_local_synchronization=True)
         writer = dist.new_group(ranks, backend="gloo", timeout=delta, use_local_synchronization=True)
-        return cls(
-            rank=dist.get_rank(control),  # rank order of the sorted ranks, as in both groups
-            world_size=len(ranks),
-            control=control,
-            writer=writer,
-            timeout=timeout,
+        return _unreleased(
+            cls(
+                rank=dist.get_rank(control),  # rank order of the sorted ranks, as in both groups
+                world_size=len(ranks),
+                control=control,
+                writer=writer,
+                timeout=timeout,
+            )
         )
 
     def release(self) -> None:
@@ -87,10 +95,14 @@ class Participants:
         active exception") after a run that succeeded.
         """
         groups, self.control, self.writer = (self.control, self.writer), None, None
+        _UNRELEASED.pop(id(self), None)
         for group in groups:
-            # gone already when the caller destroyed every group first
-            if group is not None and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-                dist.destroy_process_group(group)
+            try:
+                # gone already when the caller destroyed every group first
+                if group is not None and dist.is_initialized() and group in _live_groups():
+                    dist.destroy_process_group(group)
+            except Exception as e:  # never instead of the caller's own error
+                logger.warning("safeckpt: could not shut down one of the manager's gloo groups: %s", e)
 
     @property
     def is_leader(self) -> bool:
@@ -152,7 +164,8 @@ class Participants:
         # None would silently mean the default group: here it means release() ran
         if group is None:
             raise CheckpointError(
-                "the manager's process groups were released by close(); create a new manager."
+                "the manager's process groups were shut down (by close(), or as the interpreter "
+                "exits); create a new manager."
             )
 
     def _lost(self, what: str, cause: Exception) -> RankAgreementError:
@@ -165,6 +178,27 @@ class Participants:
             step=None,
             rank=self.rank,
         )
+
+
+# Groups not released yet, by id of their Participants: a manager whose constructor failed, or
+# one never closed, still has its groups shut down at exit, after every other exit hook (this
+# one is registered when safeckpt is imported, so it runs last), while Python is whole.
+_UNRELEASED: dict[int, Participants] = {}
+
+
+def _unreleased(parts: Participants) -> Participants:
+    _UNRELEASED[id(parts)] = parts
+    return parts
+
+
+def _live_groups() -> Any:
+    return dist.distributed_c10d._world.pg_map
+
+
+@atexit.register
+def _release_all() -> None:
+    for parts in list(_UNRELEASED.values()):
+        parts.release()
 
 
 def agreed_error(failures: Mapping[int, BaseException], *, what: str, step: int | None) -> CheckpointError:

@@ -370,7 +370,10 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         try:
             self._conclude(error, what="close()")
         finally:
-            self._parts.release()  # after the last collective on them
+            # after the last collective on them; a writer still inside DCP (a second Ctrl-C
+            # during the join) keeps them until exit
+            if self._writer is None or not self._writer.alive:
+                self._parts.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -628,17 +631,14 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
     # --- exit ---------------------------------------------------------------------
 
     def _drain_at_exit(self) -> None:
-        if self._closed:
+        if self._closed or self._writer is None or not self._writer.pending:
             return
-        if self._writer is not None and self._writer.pending:
-            logger.warning(
-                "safeckpt: the interpreter is exiting without close(); waiting for %d queued save(s) of %s",
-                self._writer.pending,
-                self.root,
-            )
-            self._writer.wait_idle(timeout=self._parts.timeout)
-        if self._writer is None or not self._writer.pending:
-            self._parts.release()  # while Python is whole (see Participants.release)
+        logger.warning(
+            "safeckpt: the interpreter is exiting without close(); waiting for %d queued save(s) of %s",
+            self._writer.pending,
+            self.root,
+        )
+        self._writer.wait_idle(timeout=self._parts.timeout)
 
 
 def _positive_seconds(name: str, value: Any) -> float:

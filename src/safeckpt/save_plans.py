@@ -17,16 +17,21 @@ metadata. Two things keep that from being safe as it is:
 So each :class:`SavePlans` has its own key, a local plan counts as unchanged
 only when it is equal in every field, and a rank that sent its plan always
 gets its whole final plan back (DCP's comparison of final plans is as loose).
+The planner also flattens the state itself (``dcp_nesting.flatten_nested``).
 """
 
 from __future__ import annotations
 
 import inspect
 import uuid
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from .dcp_nesting import flatten_nested
+from .errors import CheckpointError
 
 # DCP's class-level caches (torch.distributed.checkpoint.default_planner), by key.
 _CACHES = (
@@ -38,8 +43,8 @@ _CACHES = (
 )
 
 
-# DCP's plan caching as this module was written against (torch 2.13); a torch without it plans
-# every save in full.
+# DCP's plan caching as this module was written against (torch 2.13); with a torch without it
+# every save plans in full.
 CACHING = all(hasattr(SavePlanner, name) for name in _CACHES) and (
     "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
 )
@@ -51,32 +56,62 @@ class SavePlans:
     def __init__(self) -> None:
         self.key = f"safeckpt-{uuid.uuid4().hex}"
 
-    def planner(self) -> SavePlanner | None:
-        """The planner for the next save (None: DCP's default, which caches nothing)."""
-        return _StrictCachingPlanner(self.key) if CACHING else None
+    def planner(self) -> SavePlanner:
+        """The planner for the next save."""
+        return _SafeSavePlanner(self.key, caching=CACHING)
 
     def forget(self) -> None:
         for name in _CACHES:
             getattr(SavePlanner, name, {}).pop(self.key, None)
 
 
-class _StrictCachingPlanner(DefaultSavePlanner):
-    def __init__(self, key: str) -> None:
-        super().__init__(enable_plan_caching=True)
+class _SafeSavePlanner(DefaultSavePlanner):
+    def __init__(self, key: str, *, caching: bool) -> None:
+        super().__init__(**({"enable_plan_caching": True} if caching else {}))
+        self._caching = caching
         self._cached_plans_key = key
+        self._unpromoted: SavePlan | None = None  # this save's new local plan, until it is planned
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        flat = flatten_nested(state_dict) if self.flatten_state_dict else None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        super().set_up_planner({}, storage_meta, is_coordinator)  # every other field, as DCP sets it
+        self.state_dict, self.mappings = flat
 
     def create_local_plan(self) -> SavePlan:
-        cache = SavePlanner._cached_save_plan
-        # Without a cached plan DCP plans in full (and keeps the plan, promoted once the save's
-        # global plan succeeded); the strict comparison is ours.
-        previous = cache.pop(self._cached_plans_key, None)
+        if not self._caching:
+            return super().create_local_plan()
+        cache, key = SavePlanner._cached_save_plan, self._cached_plans_key
+        # Without a cached plan DCP plans in full; the strict comparison is ours.
+        previous = cache.pop(key, None)
         plan = super().create_local_plan()
+        # Some torch releases cache it right here; it is cached only once the global plan
+        # succeeded (finish_plan), else a failed save would leave it for the next one to reuse.
+        cache.pop(key, None)
         if previous is not None and _same(plan, previous):
-            cache[self._cached_plans_key] = previous
+            cache[key] = previous
             return SavePlan([], usable=False)
+        self._unpromoted = plan
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if not self._caching:
+            return super().create_global_plan(all_plans)
+        if self._cached_plans_key not in SavePlanner._cached_all_plans and not all(
+            plan.usable for plan in all_plans
+        ):
+            # DCP would plan without that rank's tensors. Raised on every rank, which forgets.
+            raise CheckpointError(
+                "a rank reused a save plan that the coordinator no longer holds; every rank drops "
+                "its cached plans and the next save plans in full."
+            )
         delta, metadata = super().create_global_plan(all_plans)
         whole = getattr(self, "global_plan", None)
         if whole is not None and len(whole) == len(delta) == len(all_plans):
@@ -86,6 +121,12 @@ class _StrictCachingPlanner(DefaultSavePlanner):
                 for part, full, sent in zip(delta, whole, all_plans, strict=True)
             ]
         return delta, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        finished = super().finish_plan(new_plan)
+        if self._caching and self._unpromoted is not None:
+            SavePlanner._cached_save_plan[self._cached_plans_key] = self._unpromoted
+        return finished
 
 
 def _same(plan: SavePlan, other: SavePlan) -> bool:

@@ -267,6 +267,11 @@ class BackgroundWriter:
         self._queue.put(job)
 
     @property
+    def alive(self) -> bool:
+        """The writer thread has not stopped (a job may be running)."""
+        return self._thread.is_alive()
+
+    @property
     def pending(self) -> int:
         with self._idle:
             return self._pending
