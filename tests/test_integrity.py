@@ -425,3 +425,29 @@ def test_a_tampered_train_state_touches_nothing(root: Path, change: Any) -> None
         assert state["sched"].state_dict() == sched_before
         assert mgr.restore(state, step=1).step == 1  # and the state still loads a sound checkpoint
     assert state["model"] is model
+
+
+@pytest.mark.parametrize("stale", [1, 4, 5])
+def test_a_small_file_read_that_meets_a_replacement_elsewhere_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: int
+) -> None:
+    from safeckpt import integrity
+
+    path = tmp_path / "metadata.json"
+    path.write_bytes(b"{}")
+    real, calls = integrity.open_regular, []
+
+    def stale_at_first(p: Path) -> Any:
+        calls.append(p)
+        if len(calls) <= stale:
+            raise OSError(errno.ESTALE, "Stale file handle", str(p))
+        return real(p)
+
+    monkeypatch.setattr(integrity, "open_regular", stale_at_first)
+    if stale < 5:
+        assert integrity.read_small(path, limit=100, what="record") == b"{}"
+        assert len(calls) == stale + 1
+    else:  # still stale after 5 tries: the error is the caller's
+        with pytest.raises(OSError) as raised:
+            integrity.read_small(path, limit=100, what="record")
+        assert raised.value.errno == errno.ESTALE and len(calls) == 5

@@ -22,6 +22,7 @@ import errno
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,8 +236,27 @@ def is_regular(path: Path) -> bool:
         return False
 
 
+_STALE_TRIES = 5  # an NFS reader meets ESTALE only while the file is being replaced
+
+
 def read_small(path: Path, *, limit: int, what: str) -> bytes:
-    """The bytes of a small regular file (a record, a pointer); larger than ``limit`` is damage."""
+    """The bytes of a small regular file (a record, a pointer); larger than ``limit`` is damage.
+
+    Such files are replaced by a rename. On NFS, a reader whose open or read
+    meets the replacement gets ESTALE; the path names the new file by then, so
+    it is read again (a few times, then the error is raised).
+    """
+    for attempt in range(_STALE_TRIES):
+        try:
+            return _read_small_once(path, limit=limit, what=what)
+        except OSError as e:
+            if e.errno != errno.ESTALE or attempt == _STALE_TRIES - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _read_small_once(path: Path, *, limit: int, what: str) -> bytes:
     fd, info = open_regular(path)
     try:
         if info.st_size > limit:

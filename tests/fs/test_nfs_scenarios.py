@@ -210,9 +210,9 @@ def test_ten_checkpoints_held_open_never_block_training_and_go_once_closed(
 # --- amending a record that another process has open ---------------------------------------------
 
 POLLER = r"""
-import json, os, sys, time
+import errno, json, os, sys, time
 path, stop, out = sys.argv[1:4]
-seen = {"old": 0, "new": 0, "torn": 0, "missing": 0}
+seen = {"old": 0, "new": 0, "torn": 0, "missing": 0, "stale": 0}
 while not os.path.exists(stop):
     try:
         with open(path, "rb") as f:
@@ -220,6 +220,11 @@ while not os.path.exists(stop):
             time.sleep(0.002)  # keep it open a moment, so replacements meet an open file
     except FileNotFoundError:
         seen["missing"] += 1
+        continue
+    except OSError as e:  # ESTALE: the open met a replacement; NFS readers open again
+        if e.errno != errno.ESTALE:
+            raise
+        seen["stale"] += 1
         continue
     try:
         record = json.loads(raw)
