@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from bench_state import SMALL_NUMEL, SMALL_TENSORS
 from safeckpt import CheckpointManager, Retention
 
 
-def small_state(make) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def small_state(make: Callable[[int], torch.Tensor]) -> dict[str, object]:
     return {"small": {"layers": {i: make(SMALL_NUMEL) for i in range(SMALL_TENSORS)}, "step": 0}}
 
 

@@ -658,3 +658,24 @@ def test_close_stops_its_threads_and_releases_the_lock_even_when_the_drain_raise
     mgr.close()  # idempotent
     with CheckpointManager(root) as again:
         assert again.restore({"w": torch.zeros(8)}).step == 3
+
+
+def test_close_leaves_the_groups_to_the_exit_hook_while_the_writer_thread_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second Ctrl-C can end close()'s join with the writer still inside DCP on its group."""
+    from safeckpt.distributed import Participants
+    from safeckpt.writer import BackgroundWriter
+
+    released: list[bool] = []
+    monkeypatch.setattr(Participants, "release", lambda self: released.append(True))
+    mgr = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    mgr.save(1, {"w": torch.zeros(4)})
+    monkeypatch.setattr(BackgroundWriter, "alive", property(lambda self: True))
+    mgr.close()
+    assert released == []
+    monkeypatch.undo()
+    idle = CheckpointManager(tmp_path / "other", async_save=True)
+    monkeypatch.setattr(Participants, "release", lambda self: released.append(True))
+    idle.close()
+    assert released == [True]

@@ -236,7 +236,7 @@ def is_regular(path: Path) -> bool:
         return False
 
 
-_STALE_TRIES = 5  # an NFS reader meets ESTALE only while the file is being replaced
+_STALE_WAITS = (0.01, 0.02, 0.03, 0.04)  # an NFS reader meets ESTALE only during a replacement
 
 
 def read_small(path: Path, *, limit: int, what: str) -> bytes:
@@ -244,16 +244,16 @@ def read_small(path: Path, *, limit: int, what: str) -> bytes:
 
     Such files are replaced by a rename. On NFS, a reader whose open or read
     meets the replacement gets ESTALE; the path names the new file by then, so
-    it is read again (a few times, then the error is raised).
+    it is read again (after each of ``_STALE_WAITS``; the last try's error is raised).
     """
-    for attempt in range(_STALE_TRIES):
+    for wait in _STALE_WAITS:
         try:
             return _read_small_once(path, limit=limit, what=what)
         except OSError as e:
-            if e.errno != errno.ESTALE or attempt == _STALE_TRIES - 1:
+            if e.errno != errno.ESTALE:
                 raise
-            time.sleep(0.01 * (attempt + 1))
-    raise AssertionError("unreachable")
+        time.sleep(wait)
+    return _read_small_once(path, limit=limit, what=what)
 
 
 def _read_small_once(path: Path, *, limit: int, what: str) -> bytes:

@@ -79,6 +79,7 @@ class _SafeSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
+        # As SafeLoadPlanner's, with the save planner's signature: DCP looks for storage_meta in it.
         flat = flatten_nested(state_dict) if self.flatten_state_dict else None
         if flat is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
