@@ -86,6 +86,7 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     captured = _spy(monkeypatch, safeckpt.manager, "capture")
     saved = _spy(monkeypatch, dcp_io, "save")
     loaded = _spy(monkeypatch, dcp_io, "load")
+    checked = _spy(monkeypatch, safeckpt.manager, "check_own_files")  # before the load: the record's parse
     with CheckpointManager(tmp_path / "run", async_save=async_save) as mgr:
         mgr.save(1, state)
         mgr.wait()
@@ -100,6 +101,7 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     # A background save's write runs beside training: the collector stays on for it.
     assert saved == [async_save]
     assert loaded == [False, False]
+    assert checked == [False]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")

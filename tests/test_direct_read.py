@@ -339,7 +339,14 @@ def _batches(size: int, seed: int) -> list[list[SimpleNamespace]]:
             b = rng.randint(a, length)
             parts = (bytearray(a), bytearray(b - a), bytearray(length - b))
             batch.append(
-                SimpleNamespace(offset=offset, length=length, prefix=parts[0], data=parts[1], tail=parts[2])
+                SimpleNamespace(
+                    offset=offset,
+                    length=length,
+                    prefix=parts[0],
+                    data=parts[1],
+                    tail=parts[2],
+                    buffers=lambda parts=parts: list(parts),
+                )
             )
             offset += length
         batches.append(batch)

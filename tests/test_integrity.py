@@ -451,3 +451,18 @@ def test_a_small_file_read_that_meets_a_replacement_elsewhere_is_read_again(
         with pytest.raises(OSError) as raised:
             integrity.read_small(path, limit=100, what="record")
         assert raised.value.errno == errno.ESTALE and len(calls) == 5
+
+
+def test_segments_are_found_alone_and_as_runs_of_one_length() -> None:
+    from safeckpt.integrity import Segment
+
+    checksum = FileChecksum(
+        (Segment(0, 10, 1), Segment(10, 5, 2), Segment(15, 5, 3), Segment(20, 5, 4), Segment(25, 7, 5))
+    )
+    assert checksum.segment_at(10, 5) == Segment(10, 5, 2)
+    assert checksum.segment_at(10, 6) is None and checksum.segment_at(11, 5) is None
+    assert checksum.segment_at(32, 0) is None  # past the end
+    assert checksum.run_at(10, 5, 3) == (Segment(10, 5, 2), Segment(15, 5, 3), Segment(20, 5, 4))
+    assert checksum.run_at(10, 5, 4) is None, "the fourth is 7 bytes long"
+    assert checksum.run_at(20, 5, 3) is None, "there are only two segments from there"
+    assert checksum.run_at(0, 10, 1) == (Segment(0, 10, 1),)

@@ -409,18 +409,26 @@ def test_an_archive_from_a_template_is_the_archive_written_in_full(
 
 @pytest.fixture
 def wrong(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """For every batched archive checked, whether its layout guess was wrong (it is then read again)."""
-    from safeckpt import read_batch
+    """For every batched archive checked (alone or in a run), whether its layout guess was wrong
+    (it is then read again)."""
+    from safeckpt import read_batch, read_runs
 
     checked: list[bool] = []
     real = read_batch.Planned.as_guessed
+    real_run = read_runs.PlannedRun.as_guessed
 
     def counting(self: Any) -> bool:
         ok = real(self)
         checked.append(not ok)
         return ok
 
+    def counting_run(self: Any) -> list[bool]:
+        rows = real_run(self)
+        checked.extend(not ok for ok in rows)
+        return rows
+
     monkeypatch.setattr(read_batch.Planned, "as_guessed", counting)
+    monkeypatch.setattr(read_runs.PlannedRun, "as_guessed", counting_run)
     return checked
 
 

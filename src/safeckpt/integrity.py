@@ -140,6 +140,12 @@ class FileChecksum:
 
     def segment_at(self, offset: int, length: int) -> Segment | None:
         """The segment that starts at ``offset`` and is ``length`` bytes long, if there is one."""
+        found = self.run_at(offset, length, 1)
+        return None if found is None else found[0]
+
+    def run_at(self, offset: int, length: int, count: int) -> tuple[Segment, ...] | None:
+        """The ``count`` consecutive segments from ``offset`` on, each ``length`` bytes long, if
+        the file has exactly those."""
         lo, hi = 0, len(self.segments)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -147,11 +153,13 @@ class FileChecksum:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo < len(self.segments):
-            found = self.segments[lo]
-            if found.offset == offset and found.length == length:
-                return found
-        return None
+        found = self.segments[lo : lo + count]
+        if len(found) != count:
+            return None
+        for i, segment in enumerate(found):
+            if segment.offset != offset + i * length or segment.length != length:
+                return None
+        return found
 
 
 class SegmentRecorder:
@@ -297,9 +305,7 @@ def corrupt(path: Path | str, offset: int, *, step: int | None, detail: str = ""
     )
 
 
-def read_verified(
-    path: Path, *, size: int | None, checksum: FileChecksum | None, step: int | None
-) -> bytes:
+def read_verified(path: Path, *, size: int | None, checksum: FileChecksum | None, step: int | None) -> bytes:
     """A whole file, checked against its recorded size (before reading) and checksum."""
     fd, info = open_regular(path)
     try:

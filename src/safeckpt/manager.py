@@ -549,6 +549,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
 
     # --- restoring ------------------------------------------------------------------
 
+    @collector_paused()  # the record's and the plan's objects too, not only DCP's: see safeckpt.collector
     def restore(
         self,
         state: MutableMapping[str, Any],

@@ -32,7 +32,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,7 +40,7 @@ from .archive import _ArchiveShape, _bytes_of, preadv_exact
 from .direct_read import ALIGN, DirectFileReader, Staged
 from .integrity import crc32
 
-__all__ = ["Planned", "ReadAhead", "windows"]
+__all__ = ["Planned", "ReadAhead", "Reads", "windows"]
 
 BATCH_BYTES = 64 << 20  # one request: the kernel splits it into the disk's largest requests
 _IOV_MAX = getattr(os, "sysconf", lambda _name: 1024)("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -72,6 +72,10 @@ class Planned:
             self.storage = torch.empty(record.size, dtype=torch.uint8)
             self.data = _bytes_of(self.storage)
 
+    def buffers(self) -> list[Any]:
+        """Where the archive's bytes go, in file order."""
+        return [self.prefix, self.data, self.tail]
+
     def checksum(self) -> int:
         """CRC32 of the archive's bytes as read."""
         return crc32(self.tail, crc32(self.data, crc32(self.prefix)))
@@ -79,6 +83,18 @@ class Planned:
     def as_guessed(self) -> bool:
         """The bytes read are laid out as the shape says (else the caller reads it again)."""
         return bytes(self.prefix) == self.shape.prefix and self.shape.matches_tail(bytes(self.tail))
+
+
+class Reads(Protocol):
+    """Bytes of the file to read into buffers: an archive (:class:`Planned`) or a run of them
+    (:class:`~safeckpt.read_runs.PlannedRun`)."""
+
+    offset: int
+
+    @property
+    def length(self) -> int: ...
+
+    def buffers(self) -> list[Any]: ...
 
 
 class ReadAhead:
@@ -108,7 +124,7 @@ class ReadAhead:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def add(self, planned: Sequence[Planned]) -> None:
+    def add(self, planned: Sequence[Reads]) -> None:
         """Start reading ``planned`` (consecutive archives: each starts where the one before ends)."""
         batch = _Batch(list(planned))
         if self._direct is None or self._direct.refused:
@@ -123,7 +139,7 @@ class ReadAhead:
             self._submit()
         self._batches.append(batch)
 
-    def next(self) -> list[Planned] | None:
+    def next(self) -> list[Reads] | None:
         """The oldest batch, its bytes in place (None when none is left)."""
         if not self._batches:
             return None
@@ -169,7 +185,7 @@ class _Window:
 
 @dataclass
 class _Batch:
-    planned: list[Planned]
+    planned: list[Reads]
     whole: Future[None] | None = None  # a buffered read of all of it
     windows: list[_Window] = field(default_factory=list)
 
@@ -212,8 +228,8 @@ def _cut(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memory
     return head, views
 
 
-def _buffers(planned: Sequence[Planned]) -> list[Any]:
+def _buffers(planned: Sequence[Reads]) -> list[Any]:
     buffers: list[Any] = []
     for p in planned:
-        buffers += [p.prefix, p.data, p.tail]
+        buffers += p.buffers()
     return buffers

@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -81,6 +81,7 @@ from .early_read import EarlyReads
 from .early_read import lookup as early_lookup
 from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, verify_file
 from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
+from .read_runs import RUN_ARCHIVE_BYTES, RUN_BYTES, RUN_MIN, PlannedRun, runs_as
 from .zipformat import _ChecksummedStream
 
 logger = logging.getLogger(__name__)
@@ -313,8 +314,12 @@ class RawFileSystemReader(FileSystemReader):
             reads = ReadAhead(fd, pool, direct)
             while True:
                 while len(reads) < _AHEAD and position < len(order):
-                    planned = self._plan_batch(order, position, archives, planner)
-                    if planned:
+                    run = self._plan_run(order, position, archives, planner)
+                    planned = self._plan_batch(order, position, archives, planner) if run is None else []
+                    if run is not None:
+                        reads.add([run])
+                        position += len(run.items)
+                    elif planned:
                         reads.add(planned)
                         position += len(planned)
                     else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
@@ -325,7 +330,90 @@ class RawFileSystemReader(FileSystemReader):
                 batch = reads.next()
                 if batch is None:
                     return
-                self._finish_batch(fd, batch, planner)
+                if isinstance(batch[0], PlannedRun):
+                    self._finish_run(fd, batch[0], planner)
+                else:
+                    self._finish_batch(fd, cast(list[Planned], batch), planner)
+
+    def _plan_run(
+        self,
+        order: list[int],
+        k: int,
+        archives: dict[int, list[ReadItem]],
+        planner: LoadPlanner,
+    ) -> PlannedRun | None:
+        """The run of consecutive small archives from ``order[k]`` of one guessed shape, each read
+        whole into one tensor of that shape, of at most ``RUN_BYTES`` (None: fewer than ``RUN_MIN``)."""
+        first = archives[order[k]]
+        length = self.storage_data[first[0].storage_index].length
+        if len(first) != 1 or length > RUN_ARCHIVE_BYTES:
+            return None
+        shape = self._guess(first[0], length)
+        if shape is None or not runs_as(shape.layout):
+            return None
+        size = shape.layout.tensor.size()
+        whole = torch.Size([0] * len(size))
+        items: list[ReadItem] = []
+        targets: list[torch.Tensor] = []
+        end = order[k]
+        for offset in order[k : k + max(RUN_MIN, RUN_BYTES // length)]:
+            group = archives[offset]
+            if offset != end or len(group) != 1:
+                break
+            item = group[0]
+            if item.lengths != size or item.storage_offsets != whole:
+                break  # a part of the saved tensor (a reshard): planned archive by archive
+            if self.storage_data[item.storage_index].length != length:
+                break
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != size:
+                break  # the slow path raises DCP's error
+            items.append(item)
+            targets.append(target)
+            end += length
+        return PlannedRun(order[k], shape, items, targets) if len(items) >= RUN_MIN else None
+
+    def _may_start_run(self, order: list[int], j: int, archives: dict[int, list[ReadItem]]) -> bool:
+        """Whether ``RUN_MIN`` archives of one small length follow one another from ``order[j]``
+        (a batch stops before it, so that :meth:`_plan_run` can take them)."""
+        first = order[j]
+        length = self.storage_data[archives[first][0].storage_index].length
+        if length > RUN_ARCHIVE_BYTES or j + RUN_MIN > len(order):
+            return False
+        return all(
+            order[j + i] == first + i * length
+            and self.storage_data[archives[order[j + i]][0].storage_index].length == length
+            for i in range(1, RUN_MIN)
+        )
+
+    def _finish_run(self, fd: int, run: PlannedRun, planner: LoadPlanner) -> None:
+        """Check each archive of a run read already (its layout, its CRC32), then commit them all;
+        an archive not laid out as guessed is read again on its own, in full."""
+        guessed = run.as_guessed()
+        segments = self._run_segments(run)
+        if segments is not None:
+            for ok, crc, segment, item in zip(guessed, run.checksums(), segments, run.items, strict=True):
+                if ok and segment is not None and crc != segment.crc:
+                    info = self.storage_data[item.storage_index]
+                    raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
+        # The others first: an error there (a changed archive) comes before anything of the run is copied.
+        for i, (ok, item) in enumerate(zip(guessed, run.items, strict=True)):
+            if not ok:
+                offset = run.offset + i * run.archive_length
+                self._read_archive(fd, offset, run.archive_length, [item], planner)
+        run.copy_out(guessed)
+        for ok, item, target in zip(guessed, run.items, run.targets, strict=True):
+            if ok:
+                planner.commit_tensor(item, target)
+
+    def _run_segments(self, run: PlannedRun) -> Sequence[Segment | None] | None:
+        """The recorded segment of each archive of ``run`` (None: nothing to check against)."""
+        if self._segment(run.items[0]) is None:
+            return None  # no checksums, or one for the whole file (checked already)
+        assert self._checksums is not None
+        relative_path = self.storage_data[run.items[0].storage_index].relative_path
+        found = self._checksums[relative_path].run_at(run.offset, run.archive_length, len(run.items))
+        return found if found is not None else [self._segment(item) for item in run.items]
 
     def _plan_batch(
         self,
@@ -347,6 +435,8 @@ class RawFileSystemReader(FileSystemReader):
                 break
             if planned and size + length > BATCH_BYTES:
                 break
+            if planned and self._may_start_run(order, k + len(planned), archives):
+                break  # left to _plan_run
             if not all(_fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
             targets = [planner.resolve_tensor(item).detach() for item in group]
