@@ -392,3 +392,30 @@ def test_any_other_shape_is_flattened_by_dcp(nested: dict[Any, Any]) -> None:
     from safeckpt.dcp_nesting import flatten_nested
 
     assert flatten_nested(nested) is None
+
+
+def test_the_planner_resolves_whole_tensors_itself_and_everything_else_as_dcp_does() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    state = {"w": torch.zeros(4, 6), "p": nn.Parameter(torch.zeros(3)), "s": torch.zeros(())}
+    ours, theirs = SafeLoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(state)
+    theirs.set_up_planner(state)
+
+    def item(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...], index_offset: Any = None) -> Any:
+        index = MetadataIndex(fqn, index_offset if index_offset is not None else [0] * len(lengths), 0)
+        zeros = torch.Size([0] * len(lengths))
+        return ReadItem(LoadItemType.TENSOR, index, torch.Size(offsets), index, zeros, torch.Size(lengths))
+
+    for read in (item("w", (0, 0), (4, 6)), item("p", (0,), (3,)), item("s", (), ())):
+        assert ours.resolve_tensor(read) is state[read.dest_index.fqn]  # the whole tensor itself
+    for read in (item("w", (1, 0), (2, 6)), item("w", (0, 0), (4, 3)), item("p", (1,), (2,))):
+        mine, dcps = ours.resolve_tensor(read), theirs.resolve_tensor(read)
+        assert (mine.shape, mine.stride(), mine.data_ptr()) == (dcps.shape, dcps.stride(), dcps.data_ptr())
+    for planner in (ours, theirs):  # a shard offset on a plain tensor, and a key the state lacks
+        with pytest.raises(ValueError):
+            planner.resolve_tensor(item("w", (0, 0), (4, 6), index_offset=[2, 0]))
+        with pytest.raises(ValueError):
+            planner.resolve_tensor(item("x", (0,), (3,)))
