@@ -1,18 +1,22 @@
 """Cold restores of 10,000 small tensors, timed one by one (a trace, not a benchmark).
 
     .venv/bin/python benchmarks/trace_small_restore.py             # 6 restores
+    .venv/bin/python benchmarks/trace_small_restore.py --phases    # and where each one's time went
     PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/trace_small_restore.py
 
 Saves ``bench_state``'s 10,000-tensor state (4 KiB each, int keys, in a nested
 dict) with an async manager, then restores it in place into fresh tensors with
 the page cache evicted before each restore, and prints every time and the
 median. Run it alternately against two checkouts (``PYTHONPATH``) to compare
-them on the same machine state.
+them on the same machine state. ``--phases`` also times the restore's steps
+(by wrapping the functions that run them; nested steps are inside their
+callers' times) and prints each one's median over the restores.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import shutil
 import statistics
 import sys
@@ -20,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +35,49 @@ from bench_common import evict
 from bench_state import SMALL_NUMEL, SMALL_TENSORS
 from safeckpt import CheckpointManager, Retention
 
+# (module, owner or None for a module function, function, label): outer steps first
+PHASES = [
+    ("safeckpt.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
+    ("safeckpt.restore", None, "read_tree", "reading the training state (tree)"),
+    ("safeckpt.loading", "LoadPlan", "mapping", "matching the tree and the state"),
+    ("safeckpt.dcp_io", None, "load", "dcp.load, in all"),
+    ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "  flattening the state"),
+    ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "  the local plan (read items)"),
+    ("safeckpt.storage", "RawFileSystemReader", "read_data", "  read_data, in all"),
+    ("safeckpt.storage", "RawFileSystemReader", "_plan_run", "    planning runs"),
+    ("safeckpt.storage", "RawFileSystemReader", "_plan_batch", "    planning batches"),
+    ("safeckpt.read_batch", "ReadAhead", "next", "    waiting for the disk"),
+    ("safeckpt.storage", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
+    ("safeckpt.storage", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
+    ("safeckpt.loading", "LoadPlan", "apply", "putting values in place"),
+]
+
+
+def time_phases() -> dict[str, float]:
+    """Wrap each of ``PHASES``; returns label -> seconds spent in it (summed, until cleared)."""
+    import importlib
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    for module_name, owner_name, name, label in PHASES:
+        module = importlib.import_module(module_name)
+        owner = module if owner_name is None else getattr(module, owner_name)
+        original = getattr(owner, name)
+
+        def timed(*args: Any, _run: Callable[..., Any] = original, _label: str = label, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _run(*args, **kw)
+            finally:
+                spent[_label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        if owner_name is None:  # imported by name elsewhere: wrap it there too
+            for other in ("safeckpt.restore", "safeckpt.manager"):
+                user = importlib.import_module(other)
+                if getattr(user, name, None) is original:
+                    setattr(user, name, timed)
+    return spent
+
 
 def small_state(make: Callable[[int], torch.Tensor]) -> dict[str, object]:
     return {"small": {"layers": {i: make(SMALL_NUMEL) for i in range(SMALL_TENSORS)}, "step": 0}}
@@ -38,7 +86,9 @@ def small_state(make: Callable[[int], torch.Tensor]) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--restores", type=int, default=6)
+    parser.add_argument("--phases", action="store_true", help="also time the restore's steps")
     args = parser.parse_args(argv)
+    spent = time_phases() if args.phases else {}
     root = Path(tempfile.mkdtemp(prefix="safeckpt-small-")) / "ckpt"
     try:
         with CheckpointManager(root, retention=Retention()) as mgr:
@@ -47,16 +97,23 @@ def main(argv: list[str] | None = None) -> int:
                 mgr.save(step, saved)
                 mgr.wait()
             times = []
+            phases: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(args.restores):
+                spent.clear()
                 target = small_state(torch.empty)
                 evict(root)
                 start = time.perf_counter()
                 mgr.restore(target)
                 times.append(time.perf_counter() - start)
+                for label, seconds in spent.items():
+                    phases[label].append(seconds)
         print(
             f"{Path(safeckpt.__file__).parent}: restores (ms) {[round(t * 1e3) for t in times]}, "
             f"median {statistics.median(times) * 1e3:.0f} ms"
         )
+        for _, _, _, label in PHASES:
+            if label in phases:  # the median over restores of each one's time in it
+                print(f"  {label:40s} {statistics.median(phases[label]) * 1e3:7.1f} ms")
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
     return 0
