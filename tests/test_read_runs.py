@@ -3,6 +3,8 @@ checked archive by archive, and never a reason to load a changed byte or to skip
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
 from safeckpt import CheckpointManager, CorruptCheckpointError, read_runs
 from safeckpt.archive import expected_shape
+from safeckpt.integrity import combine
 from safeckpt.retention import Retention
 from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
@@ -191,3 +194,82 @@ def test_archives_of_one_length_but_two_layouts_in_one_run_all_load_right(
     for name, value in state.items():
         assert torch.equal(loaded[name], value.float()), name
     assert copied and 0 < sum(copied) < len(state) - 1, "one run, holding rows of both layouts"
+
+
+def test_conjugate_and_negative_views_are_filled_as_dcp_fills_them(tmp_path: Path, copied: list[int]) -> None:
+    """``_foreach_copy_`` refuses conjugate and negative views; such targets take the batch path."""
+    cases = {
+        "conj": (torch.complex64, torch.Tensor.conj),
+        "neg": (torch.float32, lambda base: base.conj().imag),  # a float view with the negative bit
+    }
+    for name, (dtype, view) in cases.items():
+        directory = tmp_path / name
+        saved = {f"t{i}": torch.randn(3, dtype=dtype) for i in range(16)}
+        dcp.save(saved, storage_writer=RawFileSystemWriter(directory), no_dist=True)
+        filled = []
+        for reader in (RawFileSystemReader(directory), FileSystemReader(directory)):
+            bases = {k: torch.zeros(3, dtype=torch.complex64) for k in saved}
+            dcp.load({k: view(b) for k, b in bases.items()}, storage_reader=reader, no_dist=True)
+            filled.append(bases)
+        for k in saved:
+            assert torch.equal(filled[0][k], filled[1][k]) and filled[0][k].any(), (name, k)
+    assert copied == [], "no run took a view that _foreach_copy_ refuses"
+
+
+def _record_checksums(step: Path) -> tuple[dict[str, Any], list[list[int]]]:
+    record = json.loads((step / "metadata.json").read_text())
+    return record, record["checksums"]["__0_0.distcp"]["crc32"]
+
+
+def _write_record_checksums(step: Path, record: dict[str, Any], rows: list[list[int]]) -> None:
+    record["checksums"]["__0_0.distcp"]["crc32"] = rows
+    (step / "metadata.json").write_text(json.dumps(record))
+
+
+def test_a_run_checks_a_whole_file_checksum_before_it_reads(tmp_path: Path, copied: list[int]) -> None:
+    """A file recorded with one segment (written by DCP's own writer) is checked whole, once."""
+    saved = small_state()
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, {"model": saved})
+    step = root / "step_1"
+    shard = step / "__0_0.distcp"
+    record, _ = _record_checksums(step)
+    raw = bytearray(shard.read_bytes())
+    _write_record_checksums(step, record, [[0, len(raw), zlib.crc32(raw)]])
+    with CheckpointManager(root, retention=Retention()) as mgr:  # unchanged: it loads through runs
+        target = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+        mgr.restore(target, step=1)
+    assert all(torch.equal(target["model"][k], v) for k, v in saved.items())
+    assert sum(copied) == SMALL
+    copied.clear()
+    raw[_archive_offset(step, "model.w75") + expected_shape_len(37) + 10] ^= 0x5A  # in w76's tensor
+    shard.write_bytes(bytes(raw))
+    with CheckpointManager(root, retention=Retention()) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore({"model": {k: torch.zeros_like(v) for k, v in saved.items()}}, step=1)
+    assert copied == []
+
+
+def test_a_record_whose_segments_do_not_match_the_run_is_refused(tmp_path: Path, copied: list[int]) -> None:
+    """Two archives of a run under one recorded segment: the run cannot check them one by one, and
+    the archive without a segment of its own is an error, not an unchecked load."""
+    saved = small_state()
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, {"model": saved})
+    step = root / "step_1"
+    record, rows = _record_checksums(step)
+    at = next(i for i, row in enumerate(rows) if row[0] == _archive_offset(step, "model.w75"))
+    (o1, l1, c1), (_, l2, c2) = rows[at], rows[at + 1]
+    merged = [o1, l1 + l2, combine(c1, c2, l2)]  # still the right CRC of those bytes
+    _write_record_checksums(step, record, [*rows[:at], merged, *rows[at + 2 :]])
+    with CheckpointManager(root, retention=Retention()) as mgr, pytest.raises(CorruptCheckpointError) as info:
+        mgr.restore({"model": {k: torch.zeros_like(v) for k, v in saved.items()}}, step=1)
+    assert "no checksum was recorded" in str(info.value)
+    assert copied == []
+
+
+def expected_shape_len(numel: int) -> int:
+    shape = expected_shape(torch.float32, (numel,))
+    assert shape is not None
+    return shape.length

@@ -110,7 +110,7 @@ def runs_as(layout: _Layout) -> bool:
 
 @functools.cache
 def _viewable(dtype: torch.dtype) -> bool:
-    """Bytes can be viewed as ``dtype`` (every dense dtype; not the quantized ones)."""
+    """Bytes can be viewed as ``dtype`` (``Tensor.view(dtype)`` takes it)."""
     try:
         torch.empty(8, dtype=torch.uint8).view(dtype)
     except (RuntimeError, TypeError):

@@ -307,6 +307,7 @@ class RawFileSystemReader(FileSystemReader):
         direct = DirectFileReader.for_file(fd, order[0], early_lookup(os.fstat(fd))) if order else None
         readers = 2 if direct is not None else 1
         position = 0
+        runs: dict[int, PlannedRun] = {}  # planned already, by the position of their first archive
         with contextlib.ExitStack() as stack:
             if direct is not None:
                 stack.callback(direct.close)  # after the pool below has stopped reading
@@ -314,12 +315,11 @@ class RawFileSystemReader(FileSystemReader):
             reads = ReadAhead(fd, pool, direct)
             while True:
                 while len(reads) < _AHEAD and position < len(order):
-                    run = self._plan_run(order, position, archives, planner)
-                    planned = self._plan_batch(order, position, archives, planner) if run is None else []
+                    run = runs.pop(position, None) or self._plan_run(order, position, archives, planner)
                     if run is not None:
                         reads.add([run])
                         position += len(run.items)
-                    elif planned:
+                    elif planned := self._plan_batch(order, position, archives, planner, runs):
                         reads.add(planned)
                         position += len(planned)
                     else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
@@ -342,11 +342,32 @@ class RawFileSystemReader(FileSystemReader):
         archives: dict[int, list[ReadItem]],
         planner: LoadPlanner,
     ) -> PlannedRun | None:
-        """The run of consecutive small archives from ``order[k]`` of one guessed shape, each read
-        whole into one tensor of that shape, of at most ``RUN_BYTES`` (None: fewer than ``RUN_MIN``)."""
+        """The run from ``order[k]`` (:meth:`_run_items`), each archive read whole into a CPU tensor
+        of its shape that ``copy_`` fills as ``_foreach_copy_`` does (None: fewer than ``RUN_MIN``)."""
+        found = self._run_items(order, k, archives)
+        if found is None:
+            return None
+        shape, items = found
+        size = shape.layout.tensor.size()
+        targets: list[torch.Tensor] = []
+        for item in items:
+            target = planner.resolve_tensor(item).detach()
+            if not _runs_into(target, size):
+                break  # the batch path takes it: a plain copy_, or DCP's error for a wrong size
+            targets.append(target)
+        if len(targets) < RUN_MIN:
+            return None
+        return PlannedRun(order[k], shape, items[: len(targets)], targets)
+
+    def _run_items(
+        self, order: list[int], k: int, archives: dict[int, list[ReadItem]]
+    ) -> tuple[_ArchiveShape, list[ReadItem]] | None:
+        """By DCP's metadata alone: the consecutive small archives from ``order[k]`` of one length and
+        one guessed shape, each read whole by one item, at most ``RUN_BYTES`` of them (None: fewer
+        than ``RUN_MIN``)."""
         first = archives[order[k]]
         length = self.storage_data[first[0].storage_index].length
-        if len(first) != 1 or length > RUN_ARCHIVE_BYTES:
+        if len(first) != 1 or length > RUN_ARCHIVE_BYTES or k + RUN_MIN > len(order):
             return None
         shape = self._guess(first[0], length)
         if shape is None or not runs_as(shape.layout):
@@ -354,37 +375,21 @@ class RawFileSystemReader(FileSystemReader):
         size = shape.layout.tensor.size()
         whole = torch.Size([0] * len(size))
         items: list[ReadItem] = []
-        targets: list[torch.Tensor] = []
         end = order[k]
-        for offset in order[k : k + max(RUN_MIN, RUN_BYTES // length)]:
-            group = archives[offset]
-            if offset != end or len(group) != 1:
+        for j in range(k, min(len(order), k + max(RUN_MIN, RUN_BYTES // length))):
+            group = archives[order[j]]
+            if order[j] != end or len(group) != 1:
                 break
             item = group[0]
             if item.lengths != size or item.storage_offsets != whole:
                 break  # a part of the saved tensor (a reshard): planned archive by archive
             if self.storage_data[item.storage_index].length != length:
                 break
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != size:
-                break  # the slow path raises DCP's error
+            if self._guess(item, length) is not shape:
+                break  # another dtype or shape whose archive has the same length
             items.append(item)
-            targets.append(target)
             end += length
-        return PlannedRun(order[k], shape, items, targets) if len(items) >= RUN_MIN else None
-
-    def _may_start_run(self, order: list[int], j: int, archives: dict[int, list[ReadItem]]) -> bool:
-        """Whether ``RUN_MIN`` archives of one small length follow one another from ``order[j]``
-        (a batch stops before it, so that :meth:`_plan_run` can take them)."""
-        first = order[j]
-        length = self.storage_data[archives[first][0].storage_index].length
-        if length > RUN_ARCHIVE_BYTES or j + RUN_MIN > len(order):
-            return False
-        return all(
-            order[j + i] == first + i * length
-            and self.storage_data[archives[order[j + i]][0].storage_index].length == length
-            for i in range(1, RUN_MIN)
-        )
+        return (shape, items) if len(items) >= RUN_MIN else None
 
     def _finish_run(self, fd: int, run: PlannedRun, planner: LoadPlanner) -> None:
         """Check each archive of a run read already (its layout, its CRC32), then commit them all;
@@ -421,9 +426,11 @@ class RawFileSystemReader(FileSystemReader):
         k: int,
         archives: dict[int, list[ReadItem]],
         planner: LoadPlanner,
+        runs: dict[int, PlannedRun],
     ) -> list[Planned]:
-        """The run of consecutive archives from ``order[k]`` whose shapes are known (maybe none), of
-        at most ``BATCH_BYTES`` unless its first archive alone is larger."""
+        """The consecutive archives from ``order[k]`` whose shapes are known (maybe none), of at most
+        ``BATCH_BYTES`` unless its first archive alone is larger. It stops where a run of small
+        archives starts, and leaves that run in ``runs`` under its position."""
         planned: list[Planned] = []
         size = 0
         end: int | None = None
@@ -435,8 +442,11 @@ class RawFileSystemReader(FileSystemReader):
                 break
             if planned and size + length > BATCH_BYTES:
                 break
-            if planned and self._may_start_run(order, k + len(planned), archives):
-                break  # left to _plan_run
+            if planned and length <= RUN_ARCHIVE_BYTES:
+                run = self._plan_run(order, k + len(planned), archives, planner)
+                if run is not None:
+                    runs[k + len(planned)] = run
+                    break
             if not all(_fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
             targets = [planner.resolve_tensor(item).detach() for item in group]
@@ -659,6 +669,20 @@ def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Lay
         and target.layout == torch.strided
         and not target.is_conj()
         and not target.is_neg()
+    )
+
+
+def _runs_into(target: torch.Tensor, size: torch.Size) -> bool:
+    """``target`` can be filled by a run's ``_foreach_copy_`` exactly as ``copy_`` fills it: a plain
+    CPU tensor of the saved size (not a conjugate or negative view, which it refuses, nor an
+    inference tensor, which ``copy_`` refuses outside inference mode)."""
+    return (
+        type(target) is torch.Tensor
+        and target.device.type == "cpu"
+        and target.size() == size
+        and not target.is_conj()
+        and not target.is_neg()
+        and not target.is_inference()
     )
 
 
