@@ -227,8 +227,9 @@ def _write_record_checksums(step: Path, record: dict[str, Any], rows: list[list[
 
 
 def test_a_run_checks_a_whole_file_checksum_before_it_reads(tmp_path: Path, copied: list[int]) -> None:
-    """A file recorded with one segment (written by DCP's own writer) is checked whole, once."""
-    saved = small_state()
+    """A file recorded with one segment (written by DCP's own writer) is checked whole, once. Every
+    archive is in the one run here: nothing else reads the file."""
+    saved = {f"w{i}": torch.randn(37) for i in range(150)}
     root = tmp_path / "run"
     with CheckpointManager(root, async_save=False, retention=Retention()) as mgr:
         mgr.save(1, {"model": saved})
@@ -241,9 +242,11 @@ def test_a_run_checks_a_whole_file_checksum_before_it_reads(tmp_path: Path, copi
         target = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
         mgr.restore(target, step=1)
     assert all(torch.equal(target["model"][k], v) for k, v in saved.items())
-    assert sum(copied) == SMALL
+    assert copied == [len(saved)]
     copied.clear()
-    raw[_archive_offset(step, "model.w75") + expected_shape_len(37) + 10] ^= 0x5A  # in w76's tensor
+    shape = expected_shape(torch.float32, (37,))
+    assert shape is not None
+    raw[_archive_offset(step, "model.w75") + shape.record.start + 10] ^= 0x5A  # in the tensor's bytes
     shard.write_bytes(bytes(raw))
     with CheckpointManager(root, retention=Retention()) as mgr, pytest.raises(CorruptCheckpointError):
         mgr.restore({"model": {k: torch.zeros_like(v) for k, v in saved.items()}}, step=1)
@@ -269,7 +272,28 @@ def test_a_record_whose_segments_do_not_match_the_run_is_refused(tmp_path: Path,
     assert copied == []
 
 
-def expected_shape_len(numel: int) -> int:
-    shape = expected_shape(torch.float32, (numel,))
-    assert shape is not None
-    return shape.length
+def test_archives_of_one_length_but_two_dtypes_are_not_mixed_in_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copied: list[int]
+) -> None:
+    """With DCP's metadata the reader knows each archive's dtype: float32 and int32 tensors of 37
+    values (archives of one length) alternate, and no archive is guessed wrong and read again."""
+    from safeckpt import storage
+
+    state = {
+        f"{kind}{i}": torch.arange(37, dtype=dtype) + i
+        for i in range(40)
+        for kind, dtype in (("f", torch.float32), ("i", torch.int32))
+    }
+    dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    read_alone: list[int] = []
+    real = storage.RawFileSystemReader._read_archive
+
+    def counting(self: Any, fd: int, offset: int, *args: Any) -> None:
+        read_alone.append(offset)
+        real(self, fd, offset, *args)
+
+    monkeypatch.setattr(storage.RawFileSystemReader, "_read_archive", counting)
+    loaded = {name: torch.zeros(37, dtype=value.dtype) for name, value in state.items()}
+    dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+    assert all(torch.equal(loaded[name], value) for name, value in state.items())
+    assert read_alone == [] and copied == []
