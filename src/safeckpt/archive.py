@@ -142,9 +142,10 @@ def expected_shape(dtype: torch.dtype, sizes: Sequence[int]) -> _ArchiveShape | 
         return None
     try:
         tensor = torch.empty(tuple(sizes), dtype=dtype)  # never touched: a recording skips its bytes
-    except (RuntimeError, TypeError):
+        records = [*_ArchiveWriter(templates=_TemplateCache())._records(tensor)]
+    except (RuntimeError, TypeError):  # a dtype no plain tensor has (quantized: no quantizer)
         return None
-    records = [*_ArchiveWriter(templates=_TemplateCache())._records(tensor), ("version", memoryview(version))]
+    records.append(("version", memoryview(version)))
     records.append((".data/serialization_id", memoryview(b"0" * 40)))
     data = next((i for i, (name, _) in enumerate(records) if name.startswith("data/")), None)
     if data is None or _layout_key(tensor) is None:
