@@ -14,9 +14,11 @@ chunk is written, while it is in cache. Archives of a layout seen before are
 written from a template of the first (:class:`~safeckpt.zipformat._Template`),
 and the file goes to disk through :class:`~safeckpt.direct_io.DirectFileWriter`
 (aligned buffers, ``O_DIRECT`` where the filesystem takes it).
-:class:`RawFileSystemReader` reads the file front to back: runs of archives
-whose shape it can guess with one large ``preadv``
-(:mod:`safeckpt.read_batch`), the others one request each, and each tensor's
+:class:`RawFileSystemReader` reads the file front to back: consecutive archives
+whose shape it can guess with one large ``preadv`` (:mod:`safeckpt.read_batch`),
+runs of many small archives of one shape as one buffer checked and copied
+with a few torch calls (:mod:`safeckpt.read_runs`), the others one request
+each, and each tensor's
 bytes straight into the destination tensor when their layouts agree,
 otherwise into one fresh buffer that it copies from, as DCP does; a cold file
 with ``O_DIRECT`` (:mod:`safeckpt.direct_read`) in whole 16 MiB windows, each
