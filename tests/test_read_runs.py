@@ -297,3 +297,30 @@ def test_archives_of_one_length_but_two_dtypes_are_not_mixed_in_a_run(
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[name], value) for name, value in state.items())
     assert read_alone == [] and copied == []
+
+
+def test_targets_a_run_cannot_take_are_found_without_scanning_the_run_again_and_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copied: list[int]
+) -> None:
+    """Where the targets cannot take a run (CUDA tensors, conjugate views), every archive of the
+    batches is asked whether a run starts there: each asking looks at a few archives, not at the
+    whole run after it (which made a restore of n such tensors cost n * n / 2 checks)."""
+    from safeckpt import storage
+
+    n = 600
+    saved = {f"c{i}": torch.randn(3, dtype=torch.complex64) for i in range(n)}
+    dcp.save(saved, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    guesses = [0]
+    real = storage.RawFileSystemReader._guess
+
+    def counting(self: Any, *args: Any) -> Any:
+        guesses[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(storage.RawFileSystemReader, "_guess", counting)
+    bases = {k: torch.zeros(3, dtype=torch.complex64) for k in saved}
+    views = {k: b.conj() for k, b in bases.items()}
+    dcp.load(views, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+    assert all(torch.equal(bases[k], saved[k].conj()) for k in saved)
+    assert copied == []
+    assert guesses[0] < 12 * n, guesses[0]

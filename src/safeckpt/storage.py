@@ -346,11 +346,14 @@ class RawFileSystemReader(FileSystemReader):
     ) -> PlannedRun | None:
         """The run from ``order[k]`` (:meth:`_run_items`), each archive read whole into a CPU tensor
         of its shape that ``copy_`` fills as ``_foreach_copy_`` does (None: fewer than ``RUN_MIN``)."""
-        found = self._run_items(order, k, archives)
-        if found is None:
+        probe = self._run_items(order, k, archives, RUN_MIN)
+        if probe is None:
             return None
-        shape, items = found
+        shape, items = probe
         size = shape.layout.tensor.size()
+        if not _runs_into(planner.resolve_tensor(items[0]).detach(), size):
+            return None  # (CUDA targets, say) found without scanning the rest of the run
+        shape, items = cast(tuple[_ArchiveShape, list[ReadItem]], self._run_items(order, k, archives))
         targets: list[torch.Tensor] = []
         for item in items:
             target = planner.resolve_tensor(item).detach()
@@ -362,11 +365,11 @@ class RawFileSystemReader(FileSystemReader):
         return PlannedRun(order[k], shape, items[: len(targets)], targets)
 
     def _run_items(
-        self, order: list[int], k: int, archives: dict[int, list[ReadItem]]
+        self, order: list[int], k: int, archives: dict[int, list[ReadItem]], most: int | None = None
     ) -> tuple[_ArchiveShape, list[ReadItem]] | None:
         """By DCP's metadata alone: the consecutive small archives from ``order[k]`` of one length and
-        one guessed shape, each read whole by one item, at most ``RUN_BYTES`` of them (None: fewer
-        than ``RUN_MIN``)."""
+        one guessed shape, each read whole by one item, at most ``RUN_BYTES`` or ``most`` of them
+        (None: fewer than ``RUN_MIN``)."""
         first = archives[order[k]]
         length = self.storage_data[first[0].storage_index].length
         if len(first) != 1 or length > RUN_ARCHIVE_BYTES or k + RUN_MIN > len(order):
@@ -378,7 +381,9 @@ class RawFileSystemReader(FileSystemReader):
         whole = torch.Size([0] * len(size))
         items: list[ReadItem] = []
         end = order[k]
-        for j in range(k, min(len(order), k + max(RUN_MIN, RUN_BYTES // length))):
+        if most is None:
+            most = max(RUN_MIN, RUN_BYTES // length)
+        for j in range(k, min(len(order), k + most)):
             group = archives[order[j]]
             if order[j] != end or len(group) != 1:
                 break
