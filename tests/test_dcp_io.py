@@ -417,5 +417,7 @@ def test_the_planner_resolves_whole_tensors_itself_and_everything_else_as_dcp_do
     for planner in (ours, theirs):  # a shard offset on a plain tensor, and a key the state lacks
         with pytest.raises(ValueError):
             planner.resolve_tensor(item("w", (0, 0), (4, 6), index_offset=[2, 0]))
+        with pytest.raises(ValueError):  # zeros, but not of the tensor's rank
+            planner.resolve_tensor(item("w", (0, 0), (4, 6), index_offset=[0]))
         with pytest.raises(ValueError):
             planner.resolve_tensor(item("x", (0,), (3,)))

@@ -307,11 +307,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         # A whole plain tensor is what DCP's lookup and narrowing give, without their checks (3 us
         # of every item of a 10,000-tensor restore); everything else goes through them.
         tensor = self.state_dict.get(read_item.dest_index.fqn)
+        offset = read_item.dest_index.offset  # DCP: None, or the zeros of the tensor's rank
         if (
             type(tensor) in _PLAIN
             and read_item.lengths == tensor.size()
             and not any(read_item.dest_offsets)
-            and not any(read_item.dest_index.offset or ())
+            and (offset is None or (len(offset) == tensor.dim() and not any(offset)))
         ):
             return tensor
         return super().resolve_tensor(read_item)
