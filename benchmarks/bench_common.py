@@ -54,6 +54,22 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def wrap(owner: Any, name: str, label: str, spent: dict[str, float]) -> Callable[..., Any]:
+    """Replace ``owner.name`` by a copy that adds its time to ``spent[label]`` (a trace's timer;
+    ``spent`` a ``defaultdict(float)``); returns the copy."""
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+    return timed
+
+
 def interleaved(items: Sequence[Any], rep: int) -> list[Any]:
     """The order in which repetition ``rep`` runs ``items``: row ``rep`` of a Williams design.
 

@@ -24,9 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,23 +32,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import wrap
+
 PHASES = {
     "default_planner.DefaultSavePlanner": ("set_up_planner", "create_local_plan", "create_global_plan"),
     "utils._DistWrapper": ("reduce_scatter", "all_reduce", "gather_object", "scatter_object"),
 }
-
-
-def wrap(owner: Any, name: str, label: str, spent: dict[str, float]) -> None:
-    original: Callable[..., Any] = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[label] += time.perf_counter() - start
-
-    setattr(owner, name, timed)
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, work: str) -> None:

@@ -24,14 +24,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import safeckpt
-from bench_common import evict
+from bench_common import evict, wrap
 from bench_state import SMALL_NUMEL, SMALL_TENSORS
 from safeckpt import CheckpointManager, Retention
 
@@ -62,15 +61,7 @@ def time_phases() -> dict[str, float]:
         module = importlib.import_module(module_name)
         owner = module if owner_name is None else getattr(module, owner_name)
         original = getattr(owner, name)
-
-        def timed(*args: Any, _run: Callable[..., Any] = original, _label: str = label, **kw: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _run(*args, **kw)
-            finally:
-                spent[_label] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
+        timed = wrap(owner, name, label, spent)
         if owner_name is None:  # imported by name elsewhere: wrap it there too
             for other in ("safeckpt.restore", "safeckpt.manager"):
                 user = importlib.import_module(other)

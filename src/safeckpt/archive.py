@@ -461,6 +461,16 @@ class _Layout:
     dtype: torch.dtype
     nbytes: int
 
+    @property
+    def dense(self) -> bool:
+        """The stored bytes are the whole tensor, contiguous from the storage's first byte."""
+        full = self.tensor
+        return (
+            full.is_contiguous()
+            and full.storage_offset() == 0
+            and full.numel() * full.element_size() == self.nbytes
+        )
+
 
 def _read_layout(pickled: bytes) -> _Layout:
     """Unpickle ``data.pkl`` with torch's weights-only unpickler onto a meta storage."""

@@ -99,13 +99,7 @@ class PlannedRun:
 
 def runs_as(layout: _Layout) -> bool:
     """Whether archives of ``layout`` can go in a run: a dense tensor whose bytes are all stored."""
-    full = layout.tensor
-    return (
-        full.is_contiguous()
-        and full.storage_offset() == 0
-        and full.numel() * full.element_size() == layout.nbytes
-        and _viewable(layout.dtype)
-    )
+    return layout.dense and _viewable(layout.dtype)
 
 
 @functools.cache

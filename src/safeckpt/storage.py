@@ -664,15 +664,12 @@ class RawFileSystemReader(FileSystemReader):
 
 def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Layout) -> bool:
     """The stored bytes are exactly the target's bytes: same dtype, both dense, nothing narrowed."""
-    full = layout.tensor
     return (
         target.device.type == "cpu"
         and target.dtype == layout.dtype
         and target.is_contiguous()
-        and full.is_contiguous()
-        and full.storage_offset() == 0
-        and saved.size() == full.size()
-        and full.numel() * full.element_size() == layout.nbytes
+        and layout.dense
+        and saved.size() == layout.tensor.size()
         and target.layout == torch.strided
         and not target.is_conj()
         and not target.is_neg()
