@@ -1,16 +1,20 @@
-"""Cold restores of 10,000 small tensors, timed one by one (a trace, not a benchmark).
+"""Cold restores of one of ``bench_state``'s states, timed one by one (a trace, not a benchmark).
 
-    .venv/bin/python benchmarks/trace_small_restore.py             # 6 restores
-    .venv/bin/python benchmarks/trace_small_restore.py --phases    # and where each one's time went
-    PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/trace_small_restore.py
+    .venv/bin/python benchmarks/trace_restore.py                    # 10,000 small tensors, 6 restores
+    .venv/bin/python benchmarks/trace_restore.py --phases           # and where each one's time went
+    .venv/bin/python benchmarks/trace_restore.py --state nested --phases   # {"model": sd, "optim": osd}
+    PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/trace_restore.py
 
-Saves ``bench_state``'s 10,000-tensor state (4 KiB each, int keys, in a nested
-dict) with an async manager, then restores it in place into fresh tensors with
-the page cache evicted before each restore, and prints every time and the
-median. Run it alternately against two checkouts (``PYTHONPATH``) to compare
-them on the same machine state. ``--phases`` also times the restore's steps
-(by wrapping the functions that run them; nested steps are inside their
-callers' times) and prints each one's median over the restores.
+Saves the state with an async manager (``small``: 10,000 tensors of 4 KiB,
+int keys, in a nested dict; ``nested``: a 0.5 GiB model's and AdamW's state
+dicts; ``stateful``: the same behind a ``Stateful`` wrapper), then restores it
+in place with the page cache evicted before each restore, and prints every
+time and the median. ``small`` restores into fresh tensors; the others into
+the live model and optimizer, as ``bench_state`` does. Run it alternately
+against two checkouts (``PYTHONPATH``) to compare them on the same machine
+state. ``--phases`` also times the restore's steps (by wrapping the functions
+that run them; nested steps are inside their callers' times) and prints each
+one's median over the restores.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import safeckpt
 from bench_common import evict, wrap
-from bench_state import SMALL_NUMEL, SMALL_TENSORS
+from bench_state import GIB, variants
 from safeckpt import CheckpointManager, Retention
 
 # (module, owner or None for a module function, function, label): outer steps first
@@ -70,28 +75,39 @@ def time_phases() -> dict[str, float]:
     return spent
 
 
-def small_state(make: Callable[[int], torch.Tensor]) -> dict[str, object]:
-    return {"small": {"layers": {i: make(SMALL_NUMEL) for i in range(SMALL_TENSORS)}, "step": 0}}
+STATES = {"small": 2, "nested": 0, "stateful": 1}  # name -> position in bench_state.variants
+
+
+def state_maker(name: str, size_gib: float) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(the state to save, a target to restore into) for ``--state name``."""
+    make = list(variants(int(size_gib * GIB)).values())[STATES[name]]
+    if name != "small":
+        return make, make
+    return make, lambda: {
+        "small": {"layers": {i: torch.empty_like(t) for i, t in make()["small"]["layers"].items()}, "step": 0}
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--restores", type=int, default=6)
     parser.add_argument("--phases", action="store_true", help="also time the restore's steps")
+    parser.add_argument("--state", choices=list(STATES), default="small")
+    parser.add_argument("--size-gib", type=float, default=0.5, help="model + AdamW (nested, stateful)")
     args = parser.parse_args(argv)
+    make_saved, make_target = state_maker(args.state, args.size_gib)
     spent = time_phases() if args.phases else {}
-    root = Path(tempfile.mkdtemp(prefix="safeckpt-small-")) / "ckpt"
+    root = Path(tempfile.mkdtemp(prefix="safeckpt-restore-")) / "ckpt"
     try:
         with CheckpointManager(root, retention=Retention()) as mgr:
-            saved = small_state(torch.randn)
             for step in range(4):  # warm: the walk's cache, the staging buffers, the plans
-                mgr.save(step, saved)
+                mgr.save(step, make_saved())
                 mgr.wait()
             times = []
             phases: dict[str, list[float]] = collections.defaultdict(list)
             for _ in range(args.restores):
                 spent.clear()
-                target = small_state(torch.empty)
+                target = make_target()
                 evict(root)
                 start = time.perf_counter()
                 mgr.restore(target)
