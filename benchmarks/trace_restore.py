@@ -47,12 +47,12 @@ PHASES = [
     ("safeckpt.dcp_io", None, "load", "dcp.load, in all"),
     ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "  flattening the state"),
     ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "  the local plan (read items)"),
-    ("safeckpt.storage", "RawFileSystemReader", "read_data", "  read_data, in all"),
-    ("safeckpt.storage", "RawFileSystemReader", "_plan_run", "    planning runs"),
-    ("safeckpt.storage", "RawFileSystemReader", "_plan_batch", "    planning batches"),
+    ("safeckpt.raw_reader", "RawFileSystemReader", "read_data", "  read_data, in all"),
+    ("safeckpt.raw_reader", "RawFileSystemReader", "_plan_run", "    planning runs"),
+    ("safeckpt.raw_reader", "RawFileSystemReader", "_plan_batch", "    planning batches"),
     ("safeckpt.read_batch", "ReadAhead", "next", "    waiting for the disk"),
-    ("safeckpt.storage", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
-    ("safeckpt.storage", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
+    ("safeckpt.raw_reader", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
+    ("safeckpt.raw_reader", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
     ("safeckpt.loading", "LoadPlan", "apply", "putting values in place"),
 ]
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
-from safeckpt import CheckpointManager, Retention, direct_read, early_read, storage
+from safeckpt import CheckpointManager, Retention, direct_read, early_read, raw_reader
 from safeckpt.direct_read import ALIGN, DirectFileReader
 from safeckpt.errors import CorruptCheckpointError
 from safeckpt.read_batch import ReadAhead, windows
@@ -258,9 +258,9 @@ def test_a_restore_refused_o_direct_at_its_first_read_is_read_buffered(
     # The filesystem refuses every O_DIRECT read, the early ones too (safeckpt.early_read).
     monkeypatch.setattr(early_read, "read_aligned", lambda fd, view, offset: read_into(None, view, offset))  # type: ignore[arg-type]
     alone: list[int] = []  # archives read again one by one (the slow path a batch with no bytes falls to)
-    real = storage.RawFileSystemReader._read_archive
+    real = raw_reader.RawFileSystemReader._read_archive
     monkeypatch.setattr(
-        storage.RawFileSystemReader,
+        raw_reader.RawFileSystemReader,
         "_read_archive",
         lambda self, fd, offset, *a: (alone.append(offset), real(self, fd, offset, *a))[1],
     )
@@ -305,17 +305,17 @@ def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
     directory = next((tmp_path / "run").rglob("__0_0.distcp")).parent
     evict(directory)
     advised: list[str] = []
-    monkeypatch.setattr(storage, "_advise", lambda fd, offset, length, advice: advised.append(advice))
+    monkeypatch.setattr(early_read, "advise", lambda fd, offset, length, advice: advised.append(advice))
     decided = threading.Event()
-    real = storage._reads_direct
-    monkeypatch.setattr(storage, "_reads_direct", lambda fd: (real(fd), decided.set())[0])
-    done = storage.prefetch(directory, 0)
+    real = early_read.reads_direct
+    monkeypatch.setattr(early_read, "reads_direct", lambda fd, offset: (real(fd, offset), decided.set())[0])
+    done = early_read.prefetch(directory, 0)
     assert decided.wait(10)
     assert advised == []
     done()  # the early reads it started instead (given back)
     (directory / "__0_0.distcp").read_bytes()  # warm now: the prefetch asks for read-ahead again
     decided.clear()
-    storage.prefetch(directory, 0)
+    early_read.prefetch(directory, 0)
     assert decided.wait(10)
     for _ in range(100):
         if advised:

@@ -180,7 +180,7 @@ def test_archives_of_one_length_but_two_layouts_in_one_run_all_load_right(
     """float32 and int32 tensors of 8 values have archives of the same length. Guessed by length
     alone (no guess from the metadata), a run holds both; the rows of the other layout are read
     again on their own, and every tensor loads as saved (the ints converted, not their bits)."""
-    from safeckpt import storage
+    from safeckpt import archive_shapes
 
     state = {
         f"{kind}{i}": torch.arange(8, dtype=dtype) + i
@@ -188,7 +188,7 @@ def test_archives_of_one_length_but_two_layouts_in_one_run_all_load_right(
         for kind, dtype in (("f", torch.float32), ("i", torch.int32))
     }
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
-    monkeypatch.setattr(storage, "expected_shape", lambda *_: None)
+    monkeypatch.setattr(archive_shapes, "expected_shape", lambda *_: None)
     loaded = {name: torch.zeros(8) for name in state}
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     for name, value in state.items():
@@ -277,7 +277,7 @@ def test_archives_of_one_length_but_two_dtypes_are_not_mixed_in_a_run(
 ) -> None:
     """With DCP's metadata the reader knows each archive's dtype: float32 and int32 tensors of 37
     values (archives of one length) alternate, and no archive is guessed wrong and read again."""
-    from safeckpt import storage
+    from safeckpt import raw_reader
 
     state = {
         f"{kind}{i}": torch.arange(37, dtype=dtype) + i
@@ -286,13 +286,13 @@ def test_archives_of_one_length_but_two_dtypes_are_not_mixed_in_a_run(
     }
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
     read_alone: list[int] = []
-    real = storage.RawFileSystemReader._read_archive
+    real = raw_reader.RawFileSystemReader._read_archive
 
     def counting(self: Any, fd: int, offset: int, *args: Any) -> None:
         read_alone.append(offset)
         real(self, fd, offset, *args)
 
-    monkeypatch.setattr(storage.RawFileSystemReader, "_read_archive", counting)
+    monkeypatch.setattr(raw_reader.RawFileSystemReader, "_read_archive", counting)
     loaded = {name: torch.zeros(37, dtype=value.dtype) for name, value in state.items()}
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[name], value) for name, value in state.items())
@@ -305,19 +305,19 @@ def test_targets_a_run_cannot_take_are_found_without_scanning_the_run_again_and_
     """Where the targets cannot take a run (CUDA tensors, conjugate views), every archive of the
     batches is asked whether a run starts there: each asking looks at a few archives, not at the
     whole run after it (which made a restore of n such tensors cost n * n / 2 checks)."""
-    from safeckpt import storage
+    from safeckpt import archive_shapes
 
     n = 600
     saved = {f"c{i}": torch.randn(3, dtype=torch.complex64) for i in range(n)}
     dcp.save(saved, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
     guesses = [0]
-    real = storage.RawFileSystemReader._guess
+    real = archive_shapes.ArchiveShapes.guess
 
     def counting(self: Any, *args: Any) -> Any:
         guesses[0] += 1
         return real(self, *args)
 
-    monkeypatch.setattr(storage.RawFileSystemReader, "_guess", counting)
+    monkeypatch.setattr(archive_shapes.ArchiveShapes, "guess", counting)
     bases = {k: torch.zeros(3, dtype=torch.complex64) for k in saved}
     views = {k: b.conj() for k, b in bases.items()}
     dcp.load(views, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)

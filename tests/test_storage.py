@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt import archive, storage
+from safeckpt import archive, archive_shapes, early_read, storage
 from safeckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
 from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
@@ -234,7 +234,7 @@ def test_a_planted_pickle_never_runs(tmp_path: Path) -> None:
 def test_layout_comes_from_the_weights_only_unpickler(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError):
-        storage._read_layout(pickle.dumps(_Attack(marker), protocol=2))
+        archive._read_layout(pickle.dumps(_Attack(marker), protocol=2))
     assert not marker.exists()
 
 
@@ -284,8 +284,8 @@ def test_the_front_to_back_walk_agrees_with_the_zip_directory(tmp_path: Path, wr
             continue
         fd = os.open(tmp_path / info.relative_path, os.O_RDONLY)
         try:
-            archive = storage._Archive(fd, info.offset, info.length)
-            walked, listed = archive.walk(), archive.directory()
+            parsed = archive._Archive(fd, info.offset, info.length)
+            walked, listed = parsed.walk(), parsed.directory()
         finally:
             os.close(fd)
         assert walked, index.fqn
@@ -336,7 +336,7 @@ def test_archives_of_one_shape_are_parsed_in_full_at_most_once(
     state = _same_shape_state()
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
     if not guessed:
-        monkeypatch.setattr(storage, "expected_shape", lambda *_: None)
+        monkeypatch.setattr(archive_shapes, "expected_shape", lambda *_: None)
     parsed = []
     real = archive._Archive.directory
 
@@ -444,7 +444,7 @@ def test_an_archive_of_a_known_length_but_another_layout_is_read_again(
         for kind, dtype in (("f", torch.float32), ("i", torch.int32))
     }
     dcp.save(state, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
-    monkeypatch.setattr(storage, "expected_shape", lambda *_: None)  # guesses by length only
+    monkeypatch.setattr(archive_shapes, "expected_shape", lambda *_: None)  # guesses by length only
     loaded = {name: torch.zeros(8) for name in state}  # every target float32: ints are converted
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     for name, value in state.items():
@@ -486,12 +486,12 @@ def test_prefetch_asks_the_kernel_for_the_ranks_shard_and_leaves_anything_else_a
         advised.append((offset, length, advice, os.fstat(fd).st_ino))
         done.set()
 
-    monkeypatch.setattr(storage, "_advise", recording)
-    storage.prefetch(tmp_path, 0, limit=100)
+    monkeypatch.setattr(early_read, "advise", recording)
+    early_read.prefetch(tmp_path, 0, limit=100)
     assert done.wait(10), "no read-ahead was asked for"
     assert advised == [(0, min(100, shard.stat().st_size), "POSIX_FADV_WILLNEED", shard.stat().st_ino)]
     os.mkfifo(tmp_path / "__1_0.distcp")  # a FIFO is never opened for reading (it would block)
-    storage.prefetch(tmp_path, 1)
-    storage.prefetch(tmp_path, 7)  # no such rank's file
+    early_read.prefetch(tmp_path, 1)
+    early_read.prefetch(tmp_path, 7)  # no such rank's file
     time.sleep(0.2)
     assert len(advised) == 1

@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from .dcp_nesting import flatten_nested
 from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .integrity import FileChecksum, check_member_name, parse_checksums, read_verified
+from .raw_reader import RawFileSystemReader
 from .record import Record, read_record
 from .save_plans import SavePlans
-from .storage import RawFileSystemReader, RawFileSystemWriter
+from .storage import RawFileSystemWriter
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,18 @@ import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 from .direct_io import BUFFER_BYTES, give_back, take_buffer
-from .direct_read import open_direct, read_aligned
+from .direct_read import open_direct, read_aligned, reads_direct
+from .integrity import open_regular
+from .layout import DATA_SUFFIX
 
-__all__ = ["EarlyReads", "lookup"]
+__all__ = ["EarlyReads", "advise", "lookup", "prefetch"]
 
+PREFETCH_BYTES = 256 << 20  # what a disk reads while a restore plans: more only competes with the cache
 WINDOWS = 4  # 64 MiB: about what this project's disk reads while a 1 GiB restore plans
 _THREADS = 2  # two requests in flight, as the reader keeps them
 
@@ -155,3 +160,58 @@ def lookup(info: os.stat_result) -> EarlyReads | None:
     """The early reads this thread started of the file ``info`` describes, if any."""
     with _lock:
         return _open.get(_key(info))
+
+
+# --- the hint, for either kind of file -----------------------------------------------------
+
+
+def prefetch(directory: Path, rank: int, *, limit: int = PREFETCH_BYTES) -> Callable[[], None]:
+    """Start the disk on ``rank``'s shard file now; returns what to call once the restore has read.
+
+    A restore spends tens of milliseconds (record, metadata, DCP's planning)
+    before it reads a tensor; the disk can work meanwhile. A cold file, which
+    the reader will read with ``O_DIRECT``, has its first windows read into
+    pooled buffers that the reader takes (:mod:`safeckpt.early_read`;
+    read-ahead into the page cache would turn the reader buffered); the
+    function returned gives back what it did not take. A warm one gets
+    ``POSIX_FADV_WILLNEED`` for its first ``limit`` bytes, on a thread (it may
+    block while it queues the reads). A hint: a file that is missing or not
+    regular is left alone, and the read that follows checks everything as always.
+    """
+    path = directory / f"__{rank}_0{DATA_SUFFIX}"
+    try:
+        fd, info = open_regular(path)
+    except Exception:
+        return _nothing
+    try:
+        direct = reads_direct(fd, 0)  # the reader will read it with O_DIRECT: it is cold
+        early = EarlyReads.start(fd, info) if direct else None  # its own O_DIRECT descriptor
+    except Exception:
+        os.close(fd)
+        return _nothing
+    if direct:
+        os.close(fd)
+        return _nothing if early is None else early.close
+
+    def hint() -> None:
+        try:
+            advise(fd, 0, min(info.st_size, limit), "POSIX_FADV_WILLNEED")
+        finally:
+            os.close(fd)
+
+    if not hasattr(os, "posix_fadvise"):
+        os.close(fd)
+        return _nothing
+    threading.Thread(target=hint, name="safeckpt-prefetch", daemon=True).start()
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+def advise(fd: int, offset: int, length: int, advice: str) -> None:
+    """``posix_fadvise`` where the platform has it; a hint, so failures are ignored."""
+    if hasattr(os, "posix_fadvise") and hasattr(os, advice):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, getattr(os, advice))

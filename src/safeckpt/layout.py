@@ -23,6 +23,7 @@ LATEST_NAME = "latest"
 STAGING_NAME = ".staging"
 TRASH_NAME = ".trash"
 LOCK_NAME = ".lock"
+DATA_SUFFIX = ".distcp"  # a rank's tensor data, as DCP names it: __<rank>_<n>.distcp
 
 # Why a checkpoint went to the trash. "replaced" ones are the previous copy of a
 # step saved twice; start-up recovery puts one back if its successor never landed.

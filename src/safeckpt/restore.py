@@ -18,6 +18,7 @@ from . import dcp_io
 from .catalog import scan
 from .collector import collector_paused
 from .distributed import Participants
+from .early_read import prefetch
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -31,7 +32,6 @@ from .legacy_state import load_legacy
 from .loading import LoadPlan, LoadReport, Selection
 from .record import Record, missing_or_wrong_files, read_record
 from .state import nest_for_dcp
-from .storage import prefetch
 from .train_state import Legacy, read_tree, restore_rng, train_state_filename
 
 logger = logging.getLogger(__name__)
