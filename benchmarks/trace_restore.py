@@ -39,7 +39,8 @@ from bench_common import evict, wrap
 from bench_state import GIB, variants
 from safeckpt import CheckpointManager, Retention
 
-# (module, owner or None for a module function, function, label): outer steps first
+# (module, owner or None for a module function, function, label): outer steps first. The reader
+# is named through safeckpt.storage, which re-exports it: checkouts from before raw_reader.py work.
 PHASES = [
     ("safeckpt.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
     ("safeckpt.restore", None, "read_tree", "reading the training state (tree)"),
@@ -47,12 +48,12 @@ PHASES = [
     ("safeckpt.dcp_io", None, "load", "dcp.load, in all"),
     ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "  flattening the state"),
     ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "  the local plan (read items)"),
-    ("safeckpt.raw_reader", "RawFileSystemReader", "read_data", "  read_data, in all"),
-    ("safeckpt.raw_reader", "RawFileSystemReader", "_plan_run", "    planning runs"),
-    ("safeckpt.raw_reader", "RawFileSystemReader", "_plan_batch", "    planning batches"),
+    ("safeckpt.storage", "RawFileSystemReader", "read_data", "  read_data, in all"),
+    ("safeckpt.storage", "RawFileSystemReader", "_plan_run", "    planning runs"),
+    ("safeckpt.storage", "RawFileSystemReader", "_plan_batch", "    planning batches"),
     ("safeckpt.read_batch", "ReadAhead", "next", "    waiting for the disk"),
-    ("safeckpt.raw_reader", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
-    ("safeckpt.raw_reader", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
+    ("safeckpt.storage", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
+    ("safeckpt.storage", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
     ("safeckpt.loading", "LoadPlan", "apply", "putting values in place"),
 ]
 

@@ -324,3 +324,29 @@ def test_targets_a_run_cannot_take_are_found_without_scanning_the_run_again_and_
     assert all(torch.equal(bases[k], saved[k].conj()) for k in saved)
     assert copied == []
     assert guesses[0] < 12 * n, guesses[0]
+
+
+def test_small_archives_between_large_ones_are_guessed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bias after each weight (a model's usual order): no run can start at a small archive whose
+    neighbours are large, and the reader sees that from the offsets, without guessing the
+    neighbours' shapes (it guessed every archive about twice)."""
+    from safeckpt import archive_shapes
+
+    saved: dict[str, torch.Tensor] = {}
+    for i in range(100):
+        saved[f"w{i}"], saved[f"b{i}"] = torch.randn(256, 256), torch.randn(16)
+    dcp.save(saved, storage_writer=RawFileSystemWriter(tmp_path), no_dist=True)
+    guesses = [0]
+    real = archive_shapes.ArchiveShapes.guess
+
+    def counting(self: Any, *args: Any) -> Any:
+        guesses[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(archive_shapes.ArchiveShapes, "guess", counting)
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert guesses[0] <= len(saved), guesses[0]

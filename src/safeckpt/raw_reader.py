@@ -183,6 +183,8 @@ class RawFileSystemReader(FileSystemReader):
         length = self.storage_data[first[0].storage_index].length
         if len(first) != 1 or length > RUN_ARCHIVE_BYTES or k + RUN_MIN > len(order):
             return None
+        if order[k + RUN_MIN - 1] - order[k] != (RUN_MIN - 1) * length:
+            return None  # not RUN_MIN archives of this length back to back: no need to guess any
         shape = self._shapes.guess(first[0], length)
         if shape is None or not runs_as(shape.layout):
             return None
