@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import CheckpointManager, dcp_io
+from safeckpt import CheckpointManager, dcp_io, resume
 from safeckpt.collector import collector_paused
 
 
@@ -86,7 +86,7 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     captured = _spy(monkeypatch, safeckpt.manager, "capture")
     saved = _spy(monkeypatch, dcp_io, "save")
     loaded = _spy(monkeypatch, dcp_io, "load")
-    checked = _spy(monkeypatch, safeckpt.manager, "check_own_files")  # before the load: the record's parse
+    checked = _spy(monkeypatch, resume, "check_own_files")  # before the load: the record's parse
     with CheckpointManager(tmp_path / "run", async_save=async_save) as mgr:
         mgr.save(1, state)
         mgr.wait()

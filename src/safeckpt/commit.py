@@ -67,6 +67,7 @@ class CommitPath:
     _lock: SidecarLock | None
     _deleter: Deleter | None
     _registration: RegistrationWorker | None
+    registration_timeout: float
 
     def _persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
@@ -276,6 +277,27 @@ class CommitPath:
         self._registration.submit(
             CommitInfo(step, entry.path, entry.record, self.root, is_best=self._is_best(step))
         )
+
+    def _close_registration(self) -> None:
+        """Offer the final checkpoint, then wait at most ``registration_timeout``. Never raises.
+
+        Only a manager that committed something offers one: a reader registers nothing.
+        """
+        worker, self._registration = self._registration, None
+        if worker is None:
+            return
+        try:
+            latest = self._view.latest
+            entry = self._view.get(latest) if latest is not None else None
+            if entry is not None and worker.saw_commit:
+                worker.submit(
+                    CommitInfo(
+                        latest, entry.path, entry.record, self.root, is_best=self._is_best(latest), final=True
+                    )
+                )
+        except Exception as e:
+            logger.warning("safeckpt: could not offer the final checkpoint for registration: %s", e)
+        worker.close(self.registration_timeout)
 
     def _is_best(self, step: int) -> bool:
         """Whether ``step`` is the best committed checkpoint by retention's keep_best metric."""

@@ -5,35 +5,36 @@ both the writer and retention act on that view: a removal is a decision about
 it, never a blind ``rm`` of a path. Rank 0 alone writes records, moves
 ``latest`` and prunes; every rank writes its own shards.
 
-The manager is the public API and its wiring; each half of the work lives in
+The manager is the public API and its wiring; each part of the work lives in
 its own module: opening a root (:mod:`safeckpt.opening`), the life of a save
 after ``save()`` (:mod:`safeckpt.commit`, with the commit protocol), resuming
-(:mod:`safeckpt.resume`) and agreement on outcomes (:mod:`safeckpt.outcome`).
+and ``restore()`` (:mod:`safeckpt.resume`), ``should_save()``
+(:mod:`safeckpt.triggers`), pins (:mod:`safeckpt.pins`) and agreement on
+outcomes (:mod:`safeckpt.outcome`).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import operator
 import os
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .arguments import int_or_none, positive_int, positive_seconds, seconds, validate_step
 from .collector import collector_paused
 from .commit import CommitPath
 from .distributed import Participants
 from .errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     ConfigError,
     InvalidSaveError,
     ManagerClosedError,
@@ -41,25 +42,22 @@ from .errors import (
 )
 from .fileops import DEFAULT_FILE_OPS, FileOps
 from .layout import Layout
-from .loading import load as load_state
 from .lock import SidecarLock
 from .opening import OpenPath
 from .outcome import Outcomes, _taken_anyway
 from .ownership import Ownership
-from .preemption import PreemptionHandlers, signal_name
+from .pins import Pins
+from .preemption import PreemptionHandlers
 from .record import (
-    amend_record,
     check_json_value,
     clean_metrics,
 )
-from .registration import CommitInfo, RegistrationWorker
+from .registration import RegistrationWorker
 from .registry import Registrar
 from .removal import (
     Deleter,
 )
-from .restore import check_own_files, load_checkpoint
-from .restored import Restored
-from .resume import ResumePath, _attempt
+from .resume import ResumePath
 from .retention import Policy, Retention, is_policy, with_pinned
 from .save_plans import SavePlans
 from .schedule import SaveSchedule
@@ -67,7 +65,8 @@ from .state import (
     StateCache,
     capture,
 )
-from .view import CheckpointStatus, Committed, SaveJob, SaveView
+from .triggers import SaveTriggers
+from .view import CheckpointStatus, SaveJob, SaveView
 from .writer import BackgroundWriter, StagingPool
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ logger = logging.getLogger(__name__)
 _WRITE_ERRORS = (Exception, CheckpointException)
 
 
-class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
+class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Outcomes):
     """Saves, keeps, prunes and restores the checkpoints of one training run.
 
     Args:
@@ -134,15 +133,11 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         file_ops: FileOps | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
-            raise ConfigError(f"queue_depth={queue_depth!r}: must be a positive integer.")
-        lock_timeout = _positive_seconds("lock_timeout", lock_timeout)
-        _positive_seconds("timeout", timeout)
-        _positive_seconds("retry_interval", retry_interval)
-        if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or not (
-            0 <= drain_timeout < float("inf")
-        ):
-            raise ConfigError(f"drain_timeout={drain_timeout!r}: must be a number of seconds >= 0.")
+        positive_int("queue_depth", queue_depth)
+        lock_timeout = positive_seconds("lock_timeout", lock_timeout)
+        positive_seconds("timeout", timeout)
+        positive_seconds("retry_interval", retry_interval)
+        drain_timeout = seconds("drain_timeout", drain_timeout)
         if retention is not None and not (isinstance(retention, Retention) or is_policy(retention)):
             raise ConfigError(
                 f"retention must be a safeckpt.Retention or a Policy (an object with keep(infos) and "
@@ -157,7 +152,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         self.save_rng = save_rng
         self.drain_timeout = drain_timeout
         self.registrar = registrar
-        self.registration_timeout = _positive_seconds("registration_timeout", registration_timeout)
+        self.registration_timeout = positive_seconds("registration_timeout", registration_timeout)
         self._registration: RegistrationWorker | None = None
         self._policy = with_pinned(self.retention)
         self.schedule = schedule
@@ -244,7 +239,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
         error: BaseException | None = None
         job: SaveJob | None = None
         try:
-            step = _validate_step(step)
+            step = validate_step(step)
             clean = clean_metrics(metrics)
             check_json_value(dict(extra or {}), "extra")
             if self._parts.is_leader:
@@ -275,9 +270,9 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
                 job.release_staging(self._pool)
             if not isinstance(e, Exception):
                 raise
-        what = f"save({_int_or_none(step)})"
+        what = f"save({int_or_none(step)})"
         try:
-            earlier = self._conclude(error, what=what, step=_int_or_none(step), defer_background=True)
+            earlier = self._conclude(error, what=what, step=int_or_none(step), defer_background=True)
         except BaseException:
             if job is not None:
                 job.release_staging(self._pool)
@@ -423,68 +418,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
             time=time.time(),
         )
 
-    def _close_registration(self) -> None:
-        """Offer the final checkpoint, then wait at most ``registration_timeout``. Never raises.
-
-        Only a manager that committed something offers one: a reader registers nothing.
-        """
-        worker, self._registration = self._registration, None
-        if worker is None:
-            return
-        try:
-            latest = self._view.latest
-            entry = self._view.get(latest) if latest is not None else None
-            if entry is not None and worker.saw_commit:
-                worker.submit(
-                    CommitInfo(
-                        latest, entry.path, entry.record, self.root, is_best=self._is_best(latest), final=True
-                    )
-                )
-        except Exception as e:
-            logger.warning("safeckpt: could not offer the final checkpoint for registration: %s", e)
-        worker.close(self.registration_timeout)
-
-    # --- pins and views -----------------------------------------------------------
-
-    def pin(self, step: int) -> None:
-        """Keep ``step`` whatever retention says (stored in its record). Rank 0 acts; others no-op."""
-        self._set_pinned(step, True)
-
-    def unpin(self, step: int) -> None:
-        """Let retention decide about ``step`` again."""
-        self._set_pinned(step, False)
-
-    def _set_pinned(self, step: int, pinned: bool) -> None:
-        """Collective: rank 0 changes the record; every rank returns or raises the same."""
-        self._check_open()
-        what = f"{'pin' if pinned else 'unpin'}({step})"
-        error: BaseException | None = None
-        if self._parts.is_leader:
-            try:
-                self._set_pinned_here(_validate_step(step), pinned)
-            except Exception as e:
-                error = e
-        self._parts.agree(error, self._parts.control, what=what)
-        self._share_view(self._parts.control, what=what)
-
-    def _set_pinned_here(self, step: int, pinned: bool) -> None:
-        self._ensure_writer()
-        assert self._lock is not None
-        with self._lock:  # the commit of this step holds it too: a pin never falls between
-            entry = self._view.get(step)
-            in_flight = self._view.pin_jobs(step, pinned)
-            if entry is None and not in_flight:
-                raise CheckpointNotFoundError(
-                    f"there is no checkpoint of step {step} in {self.root} to "
-                    f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",
-                    step=step,
-                    path=str(self.root),
-                )
-            if entry is not None:
-                record = amend_record(entry.path, self._lock, self._ops, pinned=pinned)
-                self._view.update(Committed(entry.path, record))
-        if not pinned:
-            self._prune()
+    # --- views -----------------------------------------------------------------
 
     @property
     def latest_step(self) -> int | None:
@@ -494,140 +428,6 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
     def checkpoints(self) -> list[CheckpointStatus]:
         """Committed and in-flight checkpoints, by step, with why each is kept (rank 0)."""
         return self._view.statuses(self._policy)
-
-    # --- the training loop -----------------------------------------------------------
-
-    def should_save(self, step: int) -> bool:
-        """Whether to save ``step`` (steps completed) now; the same answer on every rank.
-
-        True when the schedule says so, or once after a preemption signal on any
-        rank (then :attr:`preempted` is True: save, and leave the loop). Step
-        rules need no agreement; the ``every_seconds`` clock is rank 0's, and
-        signals count on every rank, which takes one small collective over the
-        manager's control group per call: call it on every rank, once per step.
-        """
-        with self._api_lock:  # its collective must not overlap a close() from another thread
-            return self._should_save(step)
-
-    def _should_save(self, step: int) -> bool:
-        self._check_open()
-        step = _validate_step(step)
-        schedule = self.schedule
-        due = schedule is not None and schedule.due_at_step(step)
-        timed = schedule is not None and schedule.timed
-        if not (timed or self._signals.signals):
-            return due
-        mine = self._signals.take()
-        clock = bool(
-            timed
-            and self._parts.is_leader
-            and schedule is not None
-            and schedule.due_by_time(time.monotonic() - self._last_save)
-        )
-        gathered = self._parts.gather((mine, clock), self._parts.control, what=f"should_save({step})")
-        received = [(rank, sig) for rank, (sig, _) in enumerate(gathered) if sig is not None]
-        if received:
-            if self._preempted_by is None:
-                self._preempted_by = received[0][1]
-            logger.warning(
-                "safeckpt: %s; saving step %d, then the loop should stop",
-                ", ".join(f"rank {r} received {signal_name(sig)}" for r, sig in received),
-                step,
-            )
-            return True
-        return due or bool(gathered[0][1])
-
-    @property
-    def preempted(self) -> bool:
-        """True once :meth:`should_save` has seen a preemption signal (on any rank); same on every rank."""
-        return self._preempted_by is not None
-
-    @property
-    def preemption_signal(self) -> int | None:
-        """The signal that preempted the run (the lowest rank's), or None: exit with ``128 +`` it."""
-        return self._preempted_by
-
-    # --- restoring ------------------------------------------------------------------
-
-    @collector_paused()  # the record's and the plan's objects too, not only DCP's: see safeckpt.collector
-    def restore(
-        self,
-        state: MutableMapping[str, Any],
-        *,
-        step: int | None = None,
-        path: str | os.PathLike[str] | None = None,
-        strict: bool = True,
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-    ) -> Restored:
-        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
-
-        The :class:`Restored` result carries the step, path, metrics, extra and
-        record; it is falsy (``.step is None``) when there was nothing to restore,
-        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
-
-        With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
-        is committed and complete, else the newest complete one (with a warning);
-        nothing, and ``state`` untouched, when there is none. An explicit ``step`` or
-        ``path`` is loaded as is, or raises if it is missing or broken. Rank 0
-        decides which checkpoint, and every rank loads that one. ``strict``: every
-        key of ``state`` must be in the checkpoint and vice versa (else the result
-        lists what did not match). ``include``/``exclude``: dotted paths
-        (``"model"``, ``"optim.state"``) to load only, or to leave out (RNG states
-        are then left alone); see ``docs/state.md``.
-        """
-        self._check_open()
-        parts = self._parts
-        auto = step is None and path is None
-        excluded: set[int] = set()
-        while True:
-            choice = self._choose(_validate_or_none(step), path, excluded)
-            if choice is None:
-                logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
-                return Restored()
-            directory, record = choice
-            what = f"restore of step {record.step}"
-            # Each rank checks its own files first, so one rank's damaged file is the same error on
-            # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
-            own = _attempt(check_own_files, directory, record, parts.rank)
-            if self._skip_or_raise(own, what, record, auto):
-                excluded.add(record.step)
-                continue
-            report: Any = None
-            load_error: BaseException | None = None
-            try:
-                report = load_checkpoint(
-                    state,
-                    directory,
-                    record,
-                    parts,
-                    strict=strict,
-                    with_rng=self.save_rng,
-                    include=include,
-                    exclude=exclude,
-                )
-            except _WRITE_ERRORS as e:
-                load_error = e
-            if self._skip_or_raise(load_error, what, record, auto):
-                excluded.add(record.step)
-                continue
-            self._conclude(None, what=what, step=record.step)
-            logger.info("safeckpt: restored step %d from %s", record.step, directory)
-            return Restored.from_record(
-                record,
-                directory,
-                missing=tuple(getattr(report, "missing", ())),
-                unexpected=tuple(getattr(report, "unexpected", ())),
-            )
-
-    def load(self, step: int | None = None) -> dict[Any, Any]:
-        """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
-
-        See :func:`safeckpt.load`. Not collective: each rank that calls it reads
-        the whole checkpoint.
-        """
-        self._check_open()
-        return load_state(self.root, step=_validate_or_none(step))
 
     # --- exit ---------------------------------------------------------------------
 
@@ -640,37 +440,6 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, Outcomes):
             self.root,
         )
         self._writer.wait_idle(timeout=self._parts.timeout)
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ConfigError(f"{name}={value!r}: must be a positive number of seconds.")
-    return float(value)
-
-
-def _validate_step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise InvalidSaveError(f"step must be a non-negative integer, got {step!r}.")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise InvalidSaveError(
-            f"step must be a non-negative integer, got {type(step).__name__} {step!r}."
-        ) from None
-    if value < 0:
-        raise InvalidSaveError(f"step must be non-negative, got {value}.", step=value)
-    return value
-
-
-def _validate_or_none(step: Any) -> int | None:
-    return None if step is None else _validate_step(step)
-
-
-def _int_or_none(step: Any) -> int | None:
-    try:
-        return _validate_step(step)
-    except CheckpointError:
-        return None
 
 
 def _register_atexit(manager: CheckpointManager) -> Any:

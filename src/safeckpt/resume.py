@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .arguments import validate_or_none
+from .collector import collector_paused
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
 from .layout import Layout
+from .loading import load as load_state
 from .record import Record
-from .restore import SKIPPABLE, choose_checkpoint
+from .restore import SKIPPABLE, check_own_files, choose_checkpoint, load_checkpoint
+from .restored import Restored
 
 logger = logging.getLogger("safeckpt.manager")
 
@@ -26,10 +31,94 @@ _WRITE_ERRORS = (Exception, CheckpointException)
 
 
 class ResumePath:
-    """How a manager picks the checkpoint every rank loads."""
+    """The restore half of a manager: which checkpoint every rank loads, and loading it."""
 
+    root: Path
+    save_rng: bool
     _parts: Participants
     _layout: Layout
+    _check_open: Callable[[], None]
+    _conclude: Callable[..., Any]
+
+    @collector_paused()  # the record's and the plan's objects too, not only DCP's: see safeckpt.collector
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        step: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        strict: bool = True,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> Restored:
+        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
+
+        The :class:`Restored` result carries the step, path, metrics, extra and
+        record; it is falsy (``.step is None``) when there was nothing to restore,
+        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
+
+        With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
+        is committed and complete, else the newest complete one (with a warning);
+        nothing, and ``state`` untouched, when there is none. An explicit ``step`` or
+        ``path`` is loaded as is, or raises if it is missing or broken. Rank 0
+        decides which checkpoint, and every rank loads that one. ``strict``: every
+        key of ``state`` must be in the checkpoint and vice versa (else the result
+        lists what did not match). ``include``/``exclude``: dotted paths
+        (``"model"``, ``"optim.state"``) to load only, or to leave out (RNG states
+        are then left alone); see ``docs/state.md``.
+        """
+        self._check_open()
+        parts = self._parts
+        auto = step is None and path is None
+        excluded: set[int] = set()
+        while True:
+            choice = self._choose(validate_or_none(step), path, excluded)
+            if choice is None:
+                logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
+                return Restored()
+            directory, record = choice
+            what = f"restore of step {record.step}"
+            # Each rank checks its own files first, so one rank's damaged file is the same error on
+            # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+            own = _attempt(check_own_files, directory, record, parts.rank)
+            if self._skip_or_raise(own, what, record, auto):
+                excluded.add(record.step)
+                continue
+            report: Any = None
+            load_error: BaseException | None = None
+            try:
+                report = load_checkpoint(
+                    state,
+                    directory,
+                    record,
+                    parts,
+                    strict=strict,
+                    with_rng=self.save_rng,
+                    include=include,
+                    exclude=exclude,
+                )
+            except _WRITE_ERRORS as e:
+                load_error = e
+            if self._skip_or_raise(load_error, what, record, auto):
+                excluded.add(record.step)
+                continue
+            self._conclude(None, what=what, step=record.step)
+            logger.info("safeckpt: restored step %d from %s", record.step, directory)
+            return Restored.from_record(
+                record,
+                directory,
+                missing=tuple(getattr(report, "missing", ())),
+                unexpected=tuple(getattr(report, "unexpected", ())),
+            )
+
+    def load(self, step: int | None = None) -> dict[Any, Any]:
+        """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
+
+        See :func:`safeckpt.load`. Not collective: each rank that calls it reads
+        the whole checkpoint.
+        """
+        self._check_open()
+        return load_state(self.root, step=validate_or_none(step))
 
     def _choose(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: set[int]
@@ -54,9 +143,7 @@ class ResumePath:
         directory = Path(choice[0])
         return directory, Record.from_json(choice[1], path=str(directory))
 
-    def _skip_or_raise(
-        self, error: BaseException | None, what: str, record: Record, auto: bool
-    ) -> bool:
+    def _skip_or_raise(self, error: BaseException | None, what: str, record: Record, auto: bool) -> bool:
         """Agree on ``error``: False if every rank succeeded; True to fall back (auto-resume past
         damage); else raise the same error on every rank."""
         gathered = self._parts.gather(_portable(error), self._parts.control, what=what)

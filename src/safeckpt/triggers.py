@@ -1,0 +1,86 @@
+"""``should_save``: the schedule, rank 0's clock and preemption signals, one answer on every rank.
+
+The :class:`~safeckpt.schedule.SaveSchedule` is pure (steps and seconds in, a
+decision out); this is its live half in :class:`~safeckpt.manager.CheckpointManager`:
+the ``every_seconds`` clock is rank 0's, a signal counts on whichever rank
+received it, and one small collective over the manager's control group makes
+the answer the same everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .arguments import validate_step
+from .distributed import Participants
+from .preemption import PreemptionHandlers, signal_name
+from .schedule import SaveSchedule
+
+logger = logging.getLogger("safeckpt.manager")
+
+__all__ = ["SaveTriggers"]
+
+
+class SaveTriggers:
+    """When the training loop should save (a part of :class:`~safeckpt.manager.CheckpointManager`)."""
+
+    schedule: SaveSchedule | None
+    _parts: Participants
+    _signals: PreemptionHandlers
+    _api_lock: threading.RLock
+    _last_save: float  # time.monotonic() of the last save() call
+    _preempted_by: int | None
+    _check_open: Callable[[], None]
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step`` (steps completed) now; the same answer on every rank.
+
+        True when the schedule says so, or once after a preemption signal on any
+        rank (then :attr:`preempted` is True: save, and leave the loop). Step
+        rules need no agreement; the ``every_seconds`` clock is rank 0's, and
+        signals count on every rank, which takes one small collective over the
+        manager's control group per call: call it on every rank, once per step.
+        """
+        with self._api_lock:  # its collective must not overlap a close() from another thread
+            return self._should_save(step)
+
+    def _should_save(self, step: int) -> bool:
+        self._check_open()
+        step = validate_step(step)
+        schedule = self.schedule
+        due = schedule is not None and schedule.due_at_step(step)
+        timed = schedule is not None and schedule.timed
+        if not (timed or self._signals.signals):
+            return due
+        mine = self._signals.take()
+        clock = bool(
+            timed
+            and self._parts.is_leader
+            and schedule is not None
+            and schedule.due_by_time(time.monotonic() - self._last_save)
+        )
+        gathered = self._parts.gather((mine, clock), self._parts.control, what=f"should_save({step})")
+        received = [(rank, sig) for rank, (sig, _) in enumerate(gathered) if sig is not None]
+        if received:
+            if self._preempted_by is None:
+                self._preempted_by = received[0][1]
+            logger.warning(
+                "safeckpt: %s; saving step %d, then the loop should stop",
+                ", ".join(f"rank {r} received {signal_name(sig)}" for r, sig in received),
+                step,
+            )
+            return True
+        return due or bool(gathered[0][1])
+
+    @property
+    def preempted(self) -> bool:
+        """True once :meth:`should_save` has seen a preemption signal (on any rank); same on every rank."""
+        return self._preempted_by is not None
+
+    @property
+    def preemption_signal(self) -> int | None:
+        """The signal that preempted the run (the lowest rank's), or None: exit with ``128 +`` it."""
+        return self._preempted_by
