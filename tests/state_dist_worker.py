@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import traceback
 from collections.abc import Callable
@@ -151,6 +152,36 @@ def one_rank_changes_dtype(rank: int, ws: int, root: Path, results: Path) -> dic
     } | {"dtypes": {name: str(w["w"].dtype) for name, w in whole.items()}}
 
 
+def per_rank_state(rank: int, ws: int, root: Path, results: Path, phase: str) -> dict[str, Any]:
+    """Each rank's own stream position (per_rank) beside a replicated plain tensor (DCP keeps one)."""
+
+    def state(fill: int) -> dict[str, Any]:
+        return {
+            "w": torch.full((3,), float(fill)),
+            "data": safeckpt.per_rank({"order": torch.full((4,), fill), "cursor": fill}),
+        }
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("safeckpt").addHandler(handler)
+    with CheckpointManager(root, timeout=60) as mgr:
+        if phase == "save":
+            mgr.save(1, state(10 + rank))
+            mgr.save(2, state(10 + rank))  # warned once per key, not at every save
+            mgr.wait()
+        fresh = state(-1)
+        restored = mgr.restore(fresh)
+    own = fresh["data"].value
+    return {
+        "step": restored.step,
+        "order": own["order"].tolist(),
+        "cursor": own["cursor"],
+        "w": fresh["w"][0].item(),
+        "differ": [w for w in warnings if "differ between ranks" in w],
+    }
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -160,6 +191,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
         pipeline_stages,
         group_managers,
         one_rank_changes_dtype,
+        per_rank_state,
     )
 }
 

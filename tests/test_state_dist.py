@@ -89,3 +89,20 @@ def test_managers_scoped_to_process_groups_run_side_by_side(tmp_path: Path) -> N
     assert [o["w"] for o in out] == [[0.0] * 3, [0.0] * 3, [10.0] * 3, [10.0] * 3]
     assert [o["latest"] for o in out] == [1, 1, 1, 1]
     assert all(o["step"] == 1 and o["world_size"] == 2 for o in out)
+
+
+def test_per_rank_state_comes_back_to_its_own_rank_and_stays_as_is_on_a_new_one(tmp_path: Path) -> None:
+    """A plain tensor that every rank holds under one key is a replica (DCP saves one copy); a
+    per_rank() value is each rank's own. Restored at 4 ranks, ranks 2 and 3 have none: theirs stay."""
+    root, results = tmp_path / "ckpt", tmp_path / "results"
+    out = run("per_rank_state", 2, root, results, phase="save")
+    assert [(o["order"], o["cursor"]) for o in out] == [([10] * 4, 10), ([11] * 4, 11)]
+    assert len({o["w"] for o in out}) == 1  # one copy for both ranks
+    # ... and rank 0 said so, once, naming the plain tensor (not the per_rank one)
+    assert len(out[0]["differ"]) == 1 and "'w' (ranks 0, 1)" in out[0]["differ"][0], out[0]["differ"]
+    assert "'data" not in out[0]["differ"][0] and out[1]["differ"] == []
+    wider = run("per_rank_state", 4, root, results, phase="restore")
+    assert [(o["order"], o["cursor"]) for o in wider] == [([10] * 4, 10), ([11] * 4, 11)] + [
+        ([-1] * 4, -1)
+    ] * 2
+    assert all(o["step"] == 2 for o in wider)

@@ -46,6 +46,7 @@ from .retention import (
     Retention,
 )
 from .schedule import Milestones, SaveSchedule
+from .state import PerRank, per_rank
 from .view import CheckpointStatus
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "ManagerClosedError",
     "Milestones",
     "Owner",
+    "PerRank",
     "Policy",
     "RankAgreementError",
     "Record",
@@ -86,6 +88,7 @@ __all__ = [
     "UnsupportedStateError",
     "__version__",
     "load",
+    "per_rank",
     "read_owner",
     "read_record",
     "register_pending",

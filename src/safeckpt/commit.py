@@ -41,6 +41,7 @@ from .lock import SidecarLock
 from .record import Record, list_files, read_record, write_record
 from .registration import CommitInfo, RegistrationWorker, is_best
 from .removal import Deleter, collect_abandoned_staging, discard_checkpoint
+from .replicas import diverging, fingerprints
 from .retention import Policy, Retention, retention_json
 from .save_plans import SavePlans
 from .state import nest_for_dcp, train_state_filename
@@ -68,6 +69,7 @@ class CommitPath:
     _deleter: Deleter | None
     _registration: RegistrationWorker | None
     registration_timeout: float
+    _warned_diverging: set[str]  # keys warned about (safeckpt.replicas), once each
 
     def _persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
@@ -99,6 +101,24 @@ class CommitPath:
             if not job.ended:  # cannot happen; a job never stays in flight
                 self._view.finish(job, FAILED, SaveFailedError(f"step {job.step} ended unaccounted"))
 
+    def _warn_diverging(self, step: int, prints: list[dict[str, int]]) -> None:
+        """Rank 0: warn (once per key) about plain tensors that differ between ranks (replicas to DCP)."""
+        found = {k: r for k, r in diverging(prints).items() if k not in self._warned_diverging}
+        if not found:
+            return
+        self._warned_diverging.update(found)
+        listing = ", ".join(f"{k!r} (ranks {', '.join(map(str, r))})" for k, r in list(found.items())[:10])
+        logger.warning(
+            "safeckpt: step %d: %d plain tensor(s) differ between ranks: %s%s. DCP stores one copy of a "
+            "plain tensor that several ranks hold under one key, and a restore gives every rank that "
+            "copy. Wrap what each rank holds for itself (a data loader, a generator) in "
+            "safeckpt.per_rank(...); see docs/state.md.",
+            step,
+            len(found),
+            listing,
+            " ..." if len(found) > 10 else "",
+        )
+
     def _crashed(self, job: SaveJob, error: BaseException) -> None:
         self._view.finish(job, FAILED, _as_checkpoint_error(error, job.step))
 
@@ -112,7 +132,10 @@ class CommitPath:
         started = time.monotonic()
         error: BaseException | None = None
         sums: dict[str, Any] = {}
+        prints: dict[str, int] = {}
         try:
+            if parts.distributed:  # before the staging buffers go back: see safeckpt.replicas
+                prints = fingerprints(job.dcp_state)
             job.staging_dir.mkdir(parents=True, exist_ok=True)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(
@@ -127,12 +150,15 @@ class CommitPath:
         finally:
             job.release_staging(self._pool)
         written_at = time.monotonic()
-        gathered = parts.gather((_portable(error), sums), parts.writer, what=f"writing step {job.step}")
-        failed = {rank: e for rank, (e, _) in enumerate(gathered) if e is not None}
+        gathered = parts.gather(
+            (_portable(error), sums, prints), parts.writer, what=f"writing step {job.step}"
+        )
+        failed = {rank: e for rank, (e, _, _) in enumerate(gathered) if e is not None}
         commit_error: BaseException | None = None
         if not failed and parts.is_leader:
+            self._warn_diverging(job.step, [p for _, _, p in gathered])
             checksums: dict[str, Any] = {}
-            for _, theirs in gathered:
+            for _, theirs, _ in gathered:
                 checksums.update(theirs)
             try:
                 self._commit(job, checksums)

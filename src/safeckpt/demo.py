@@ -251,7 +251,7 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int) -> int:
-    from . import CheckpointManager, Retention, SaveSchedule
+    from . import CheckpointManager, Retention, SaveSchedule, per_rank
     from .cli.ls import print_listing
     from .preemption import signal_name
 
@@ -261,7 +261,9 @@ def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
     data = SyntheticData(seed=args.seed, rank=rank, world_size=world_size)
     torch.manual_seed(args.seed * 7919 + rank)  # dropout: each rank its own stream
-    state: dict[str, Any] = {"model": model, "optim": optim, "sched": sched, "data": data}
+    # The data's position and generator are this rank's own: per_rank keeps each rank's (DCP would
+    # keep one plain tensor for all ranks, as it keeps a replica).
+    state: dict[str, Any] = {"model": model, "optim": optim, "sched": sched, "data": per_rank(data)}
     retention = Retention(
         keep_last=args.keep_last,
         keep_best=args.keep_best or None,
@@ -308,7 +310,8 @@ def _train(
     mgr: Any, state: dict[str, Any], start: int, args: argparse.Namespace, console: Console, world_size: int
 ) -> int:
     """Train from ``start``; the step it stopped at (the last, or the one a preemption saved)."""
-    model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
+    model, optim, sched = state["model"], state["optim"], state["sched"]
+    data = state["data"].value  # inside per_rank()
     model.train()
     losses: list[float] = []
     progress = Progress(

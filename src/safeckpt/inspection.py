@@ -152,7 +152,8 @@ def train_state_summary(checkpoint_dir: Path) -> dict[str, Any]:
 
     ``entries`` is the state's structure with its plain values: a tensor (stored by DCP)
     appears as ``{"__tensor__": fqn}``, a module as ``{"module": ...}``, an optimizer as
-    ``{"optimizer": ...}``, a ``Stateful`` as ``{"stateful": ...}``, tuples as lists. The
+    ``{"optimizer": ...}``, a ``Stateful`` as ``{"stateful": ...}``, a ``per_rank`` value as
+    ``{"per_rank": ...}`` (its tensors as dtype and shape), tuples as lists. The
     RNG state is summarised by the generators it holds.
     """
     out = {}
@@ -193,6 +194,8 @@ def _render_tree(node: Any, values: list[Any], header: dict[str, Any]) -> Any:
         return {"__tensor__": body}
     if tag == "V":
         return _describe_tensors(values[body], header)
+    if tag == "R":
+        return {"per_rank": _describe_tensors(values[body], header)}
     if tag == "D":
         return {str(k): _render_tree(v, values, header) for k, v in body}
     if tag in ("L", "U"):

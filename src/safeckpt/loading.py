@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from . import dcp_io
 from .collector import collector_paused
 from .errors import IncompleteCheckpointError
-from .state import display, is_stateful, module_for, nest_for_dcp
+from .state import PerRank, display, is_stateful, module_for, nest_for_dcp
 from .train_state import Legacy, read_tree
 
 try:
@@ -118,6 +118,7 @@ class LoadPlan:
         self.unexpected: list[str] = []
         self.problems: list[str] = []
         self.damage: list[str] = []
+        self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
         self._actions: list[Callable[[], None]] = []
 
     def report(self) -> LoadReport:
@@ -125,6 +126,8 @@ class LoadPlan:
 
     def plan(self, target: Any, node: Any, keys: tuple[Any, ...], full: bool = False) -> Any:
         """The value to put at ``keys`` (the target itself where it is filled in place)."""
+        if isinstance(target, PerRank):
+            return self._per_rank(target, node, keys, full)
         if target is not ABSENT and not isinstance(target, (torch.Tensor, Mapping, list, tuple)):
             if isinstance(target, nn.Module):
                 return self._module(target, node, keys)
@@ -136,9 +139,12 @@ class LoadPlan:
             self.damage.append(f"{display(keys) or 'the state'} has a malformed entry {node!r}")
             return target
         ((tag, body),) = node.items()
-        if tag in ("M", "O", "S"):  # saved from an object: its state dict loads into a dict too
+        if tag == "R" and body is None:
+            self.no_per_rank.append(display(keys) or "the state")
+            return target
+        if tag in ("M", "O", "S", "R"):  # saved from an object: its state dict loads into a dict too
             return self.plan(target, body, keys, full)
-        if tag in ("T", "D", "L", "U") and _kind(target) not in ("absent", "value", _KINDS[tag]):
+        if tag in _KINDS and _kind(target) not in ("absent", "value", _KINDS[tag]):
             # A tensor where the state has a dict (or the other way round) is not a value to
             # overwrite: the state expects something else there.
             self.problems.append(
@@ -148,6 +154,8 @@ class LoadPlan:
             return target
         if tag == "T":
             return self._tensor(target, body, keys, full)
+        if tag == "t":
+            return self._saved_tensor(target, body, keys, full)
         if tag == "v":
             if isinstance(target, torch.Tensor):
                 self.problems.append(
@@ -207,6 +215,30 @@ class LoadPlan:
         loaded = self.plan(template, node, keys, full=True)
         self._actions.append(lambda: obj.load_state_dict(_apply(template, loaded)))
         return obj
+
+    def _per_rank(self, target: PerRank, node: Any, keys: tuple[Any, ...], full: bool) -> Any:
+        # The wrapper stays in the caller's state; what it wraps is loaded as any value there.
+        if node == {"R": None}:  # this rank did not exist when it was saved: nothing of its own
+            self.no_per_rank.append(display(keys) or "the state")
+            return target
+        inner = self.plan(target.value, node, keys, full)
+        self._actions.append(lambda: _put_per_rank(target, inner))
+        return target
+
+    def _saved_tensor(self, target: Any, saved: torch.Tensor, keys: tuple[Any, ...], full: bool) -> Any:
+        """A tensor of the train-state file (a ``per_rank`` value's): copied into ``target`` where it
+        has the same shape and dtype, else it takes the target's place."""
+        if isinstance(target, torch.Tensor):
+            if target.shape == saved.shape and target.dtype == saved.dtype:
+                self._actions.append(lambda: _copy_into(target, saved))
+                return target
+            if not full:
+                self.problems.append(
+                    f"{display(keys)} is {_describe(saved.dtype, tuple(saved.shape))} in the checkpoint "
+                    f"but {_describe(target.dtype, tuple(target.shape))} in the state"
+                )
+                return target
+        return saved
 
     def _tensor(self, target: Any, fqn: Any, keys: tuple[Any, ...], full: bool) -> Any:
         meta = self.meta.get(fqn) if isinstance(fqn, str) else None
@@ -278,7 +310,7 @@ class LoadPlan:
         return out
 
 
-_KINDS = {"T": "tensor", "D": "dict", "L": "list", "U": "list"}
+_KINDS = {"T": "tensor", "t": "tensor", "D": "dict", "L": "list", "U": "list"}
 
 
 def _kind(value: Any) -> str:
@@ -295,19 +327,30 @@ def _kind(value: Any) -> str:
 
 def _has_tensor(node: Any) -> bool:
     ((tag, body),) = node.items()
-    if tag == "T":
+    if tag in ("T", "t"):
         return True
     if tag == "D":
         return any(_has_tensor(child) for _, child in body)
     if tag in ("L", "U"):
         return any(_has_tensor(child) for child in body)
-    if tag in ("M", "O", "S"):
+    if tag in ("M", "O", "S") or (tag == "R" and body is not None):
         return _has_tensor(body)
     return False
 
 
 def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+
+
+def _copy_into(target: torch.Tensor, saved: torch.Tensor) -> None:
+    with torch.no_grad():  # a parameter's copy must not record autograd history
+        target.copy_(saved)
+
+
+def _put_per_rank(wrapper: PerRank, loaded: Any) -> None:
+    value = _apply(wrapper.value, loaded)
+    if value is not wrapper.value:  # a value replaced whole (a tensor of another shape, a number)
+        wrapper.value = value
 
 
 def _apply(target: Any, loaded: Any) -> Any:

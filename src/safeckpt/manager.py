@@ -169,6 +169,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
 
         self._view = SaveView()
         self._seq = 0
+        self._warned_diverging: set[str] = set()
 
         self._lock: SidecarLock | None = None
         self._ownership: Ownership | None = None

@@ -261,6 +261,14 @@ def _check_plan(plan: LoadPlan, record: Record, directory: Path, *, strict: bool
             step=record.step,
             path=str(directory),
         )
+    if plan.no_per_rank:
+        logger.warning(
+            "safeckpt: step %d was saved by %d rank(s), and this rank was not one of them: %s "
+            "(per_rank) keep their current values",
+            record.step,
+            record.world_size,
+            _listing(plan.no_per_rank),
+        )
     if not (plan.missing or plan.unexpected):
         return
     parts = []

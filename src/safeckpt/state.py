@@ -16,7 +16,12 @@ visits it depth first, in insertion order:
   (``"model.layers.0.weight"``), so plain ``dcp.load`` reads it;
 * every other leaf is a JSON value of the train-state file (see
   :mod:`safeckpt.train_state`), which also records the container structure,
-  so int keys, tuples and keys containing ``.`` come back as they were.
+  so int keys, tuples and keys containing ``.`` come back as they were;
+* a :func:`per_rank` value (a data loader's position, a rank's own
+  generator) goes whole, tensors included, into the rank's own train-state
+  file. DCP keeps one copy of a plain tensor for all ranks (it takes them for
+  replicas), so a per-rank tensor sent there would come back as another
+  rank's.
 
 Two leaves whose DCP keys would collide (``{"a.b": x, "a": {"b": y}}``, or
 ``{1: x, "1": y}``) cannot share one DCP key: the later one gets its key
@@ -57,17 +62,60 @@ except ImportError:  # pragma: no cover - torch built without distributed
 
 __all__ = [
     "Captured",
+    "PerRank",
     "StateCache",
     "capture",
     "display",
     "is_stateful",
     "module_for",
     "nest_for_dcp",
+    "per_rank",
     "train_state_filename",
 ]
 
 # Markers of the structure signature (see _collect); their positions are fixed by the walk.
 _DICT, _LIST, _TUPLE, _MODULE, _OPTIM, _STATEFUL, _VALUE = "\0D", "\0L", "\0U", "\0M", "\0O", "\0S", "\0V"
+_PER_RANK = "\0R"
+
+
+class PerRank:
+    """State that differs between ranks, kept by each rank for itself (see :func:`per_rank`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, PerRank):
+            value = value.value
+        if isinstance(value, (nn.Module, torch.optim.Optimizer)):
+            raise UnsupportedStateError(
+                f"per_rank() takes a Stateful, a tensor or a dict/list/tuple, not a "
+                f"{type(value).__name__}: a model's and an optimizer's tensors are replicas or "
+                "DTensor shards, which DCP saves once. Pass the model or optimizer itself."
+            )
+        self.value = value
+
+    def saved(self) -> Any:
+        """What is saved: the ``state_dict()`` of a ``Stateful``, else the value itself."""
+        return self.value.state_dict() if is_stateful(self.value) else self.value
+
+    def __repr__(self) -> str:
+        return f"per_rank({self.value!r})"
+
+
+def per_rank(value: Any) -> PerRank:
+    """Mark ``value`` as this rank's own: saved in the rank's own file and restored to the same rank.
+
+    For state that differs between ranks, such as a data loader's position or a
+    rank's own ``torch.Generator`` state: ``{"model": model, "data":
+    safeckpt.per_rank(loader)}``, in ``save()`` and in ``restore()``.
+    ``value`` is a ``Stateful`` (``state_dict()`` at save, ``load_state_dict()``
+    at restore) or a tensor, dict, list or tuple of tensors and plain values
+    (restored in place: a tensor of the same shape and dtype is copied into).
+    Without it, a plain tensor that every rank holds under one key is saved
+    once, as DCP saves replicas, and every rank gets that one copy back.
+    ``safeckpt.load`` returns the first rank's.
+    """
+    return PerRank(value)
 
 
 def is_stateful(value: Any) -> bool:
@@ -161,8 +209,9 @@ def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = N
             cache.misses += 1
     elif cache is not None:
         cache.hits += 1
-    values_json = encode_values(got.values, plan.value_paths)
-    blob = encode_train_state(plan.tree_json, values_json, capture_rng() if rng else None)
+    tensors: dict[str, torch.Tensor] = {}  # per_rank() values' tensors, copied now
+    values_json = encode_values(got.values, plan.value_paths, tensors)
+    blob = encode_train_state(plan.tree_json, values_json, capture_rng() if rng else None, tensors)
     return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), blob)
 
 
@@ -179,6 +228,9 @@ def _collect(value: Any, got: _Collected, root: Mapping[Any, Any]) -> None:
         _collect_mapping(value, got, root)
     elif kind is list or kind is tuple:
         _collect_sequence(value, got, root)
+    elif isinstance(value, PerRank):
+        got.signature.append(_PER_RANK)
+        got.values.append(value.saved())  # one value: its tensors go into the train-state file
     elif isinstance(value, nn.Module):
         got.signature.append(_MODULE)
         expanded = got.state_dicts.model(value)
@@ -269,6 +321,9 @@ class _Describer:
             return self.mapping(value, keys)
         if kind is list or kind is tuple:
             return self.sequence(value, keys)
+        if isinstance(value, PerRank):
+            self.value_paths.append(display(keys) or "state")
+            return {"R": len(self.value_paths) - 1}
         if isinstance(value, nn.Module):
             return {"M": self.mapping(next(self.expanded), keys)}
         if isinstance(value, torch.optim.Optimizer):

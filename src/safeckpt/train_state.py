@@ -10,10 +10,11 @@ The file is a safetensors blob. Its metadata holds one JSON document::
 A node is one of ``{"T": fqn}`` (a tensor, stored by DCP under ``fqn``),
 ``{"V": i}`` (``values[i]``), ``{"D": [[key, node], ...]}`` (a dict; keys keep
 their type, str or int), ``{"L": [...]}`` (a list), ``{"U": [...]}`` (a tuple),
-and the wrappers ``{"M": node}`` (an ``nn.Module``), ``{"O": node}`` (an
-optimizer) and ``{"S": node}`` (a ``Stateful``). Its tensors are only the RNG
-states' (torch's generator state is a tensor). Loading it never unpickles
-anything. :func:`read_tree` reads a checkpoint's tree for loading: verified
+the wrappers ``{"M": node}`` (an ``nn.Module``), ``{"O": node}`` (an
+optimizer) and ``{"S": node}`` (a ``Stateful``), and ``{"R": i}``
+(``values[i]`` is a ``per_rank`` value, whole). Its tensors are the RNG
+states' (torch's generator state is a tensor) and those of ``per_rank``
+values. Loading it never unpickles anything. :func:`read_tree` reads a checkpoint's tree for loading: verified
 against the record's checksums, one rank's or every rank's merged.
 """
 
@@ -50,10 +51,11 @@ def train_state_filename(rank: int) -> str:
 
 
 class _Encoder:
-    """Turns a tree of plain values (and, for RNG states, tensors) into JSON plus a tensor table."""
+    """Turns a tree of plain values (and, for RNG states and ``per_rank`` values, tensors) into JSON
+    plus a tensor table (``tensors``: shared by the encoders of one file, names never repeat)."""
 
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = {} if tensors is None else tensors
 
     def encode(self, value: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -61,6 +63,8 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             name = f"t{len(self.tensors)}"
             tensor = value.detach()
+            if type(tensor).__name__ == "DTensor":
+                raise unsupported(value, path, " in per_rank() (DCP saves a DTensor's shards: leave it out)")
             if tensor.layout != torch.strided or not _safetensors_dtype(tensor.dtype):
                 raise unsupported(value, path)
             self.tensors[name] = tensor.to("cpu", copy=True).contiguous()
@@ -147,18 +151,27 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in value.items()}
 
 
-def encode_values(values: list[Any], paths: list[str] | None = None) -> str:
-    """The JSON text of the non-tensor leaves (``paths`` name them in errors)."""
-    encoder = _Encoder()
+def encode_values(
+    values: list[Any], paths: list[str] | None = None, tensors: dict[str, torch.Tensor] | None = None
+) -> str:
+    """The JSON text of the non-tensor leaves (``paths`` name them in errors); tensors inside them
+    (``per_rank`` values) are copied into ``tensors``, for :func:`encode_train_state`."""
+    encoder = _Encoder(tensors)
     encoded = [
         encoder.encode(v, paths[i] if paths is not None else f"leaf {i}") for i, v in enumerate(values)
     ]
     return json.dumps(encoded, allow_nan=True)
 
 
-def encode_train_state(tree_json: str, values_json: str, rng: Mapping[str, Any] | None) -> bytes:
-    """The train-state file's bytes from the (cached) tree JSON, the values' JSON and the RNG states."""
-    encoder = _Encoder()
+def encode_train_state(
+    tree_json: str,
+    values_json: str,
+    rng: Mapping[str, Any] | None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> bytes:
+    """The train-state file's bytes from the (cached) tree JSON, the values' JSON (and the tensors
+    :func:`encode_values` put in ``tensors``) and the RNG states."""
+    encoder = _Encoder(tensors)
     rng_json = "null" if rng is None else json.dumps(encoder.encode(dict(rng), "rng state"), allow_nan=True)
     # Assembled as text: the tree of a large state is encoded once per structure, not per save.
     document = (
@@ -210,16 +223,22 @@ def read_train_state(path: Path) -> dict[str, Any]:
 
 
 def resolve(tree: Any, values: list[Any], *, source: str) -> Any:
-    """``tree`` with each ``{"V": i}`` replaced by ``{"v": values[i]}`` (the value itself)."""
+    """``tree`` with each ``{"V": i}`` replaced by ``{"v": values[i]}`` (the value itself), and each
+    ``{"R": i}`` by ``{"R": node}``: ``values[i]`` as a tree whose tensors are ``{"t": tensor}``."""
+
+    def value(index: Any) -> Any:
+        if not isinstance(index, int) or not 0 <= index < len(values):
+            raise IncompleteCheckpointError(f"{source}: value {index!r} is not in the file", path=source)
+        return values[index]
 
     def walk(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) != 1:
             raise IncompleteCheckpointError(f"{source}: malformed state tree entry {node!r}", path=source)
         ((tag, body),) = node.items()
         if tag == "V":
-            if not isinstance(body, int) or not 0 <= body < len(values):
-                raise IncompleteCheckpointError(f"{source}: value {body!r} is not in the file", path=source)
-            return {"v": values[body]}
+            return {"v": value(body)}
+        if tag == "R":
+            return {"R": as_tree(value(body))}
         if tag == "D":
             return {"D": [[k, walk(child)] for k, child in body]}
         if tag in ("L", "U"):
@@ -229,6 +248,17 @@ def resolve(tree: Any, values: list[Any], *, source: str) -> Any:
         return node
 
     return walk(tree)
+
+
+def as_tree(value: Any) -> Any:
+    """A decoded value as tree nodes, so that it loads like the rest of the state (in place)."""
+    if isinstance(value, torch.Tensor):
+        return {"t": value}
+    if isinstance(value, dict):
+        return {"D": [[k, as_tree(v)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {"U" if isinstance(value, tuple) else "L": [as_tree(v) for v in value]}
+    return {"v": value}
 
 
 def merge(trees: list[Any]) -> Any:
@@ -306,7 +336,23 @@ def read_tree(directory: Path, record: Record, rank: int | None) -> tuple[Any, A
     trees = [_read(directory, name, record)["tree"] for name in names]
     if isinstance(trees[0], Legacy):
         return trees[0], None  # safeckpt 0.1 loaded rank 0's entries on other ranks
-    return merge(trees), None
+    merged = merge(trees)
+    # A rank the run did not have (restored at a larger world size) has no per_rank values of its own:
+    # another rank's would repeat that rank's data stream, so they are marked absent instead.
+    return (merged if rank is None else _no_per_rank(merged)), None
+
+
+def _no_per_rank(node: Any) -> Any:
+    ((tag, body),) = node.items()
+    if tag == "R":
+        return {"R": None}
+    if tag == "D":
+        return {"D": [[k, _no_per_rank(child)] for k, child in body]}
+    if tag in ("L", "U"):
+        return {tag: [_no_per_rank(child) for child in body]}
+    if tag in ("M", "O", "S"):
+        return {tag: _no_per_rank(body)}
+    return node
 
 
 # --- RNG -------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""per_rank(): state that differs between ranks is saved in the rank's own file, tensors included,
+and restored to the same rank in place (the multi-rank cases are in test_state_dist.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import safeckpt
+from safeckpt import CheckpointManager, per_rank
+from safeckpt.errors import UnsupportedStateError
+from safeckpt.inspection import train_state_summary
+from test_state import SYNC_ASYNC
+
+
+class Stream:
+    """A data stream's position: a generator's state (a uint8 tensor), an order and a cursor."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(16, generator=self.generator)
+        self.cursor = 0
+
+    def next(self) -> torch.Tensor:
+        self.cursor += 1
+        return torch.randn(3, generator=self.generator) + self.order[self.cursor % 16]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "order": self.order, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = state["order"]
+        self.cursor = state["cursor"]
+
+
+@SYNC_ASYNC
+def test_a_per_rank_stateful_resumes_its_stream_bit_exact(root: Path, async_save: bool) -> None:
+    stream = Stream(seed=3)
+    for _ in range(5):
+        stream.next()
+    with CheckpointManager(root, async_save=async_save) as mgr:
+        mgr.save(5, {"data": per_rank(stream)})
+        expected = [stream.next() for _ in range(4)]  # also changes what an async save copied
+        mgr.wait()
+        fresh = Stream(seed=99)
+        assert mgr.restore({"data": per_rank(fresh)}).step == 5
+    assert fresh.cursor == 5
+    assert all(torch.equal(fresh.next(), e) for e in expected)
+
+
+def test_a_per_rank_dict_is_restored_in_place(root: Path) -> None:
+    saved = {"t": torch.arange(4.0), "n": 7, "nested": {"u": torch.ones(2, dtype=torch.int16)}}
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"own": per_rank(saved)})
+        t, u = torch.zeros(4), torch.zeros(2, dtype=torch.int16)
+        target = {"own": per_rank({"t": t, "n": 0, "nested": {"u": u}})}
+        mgr.restore(target)
+    inner = target["own"].value
+    assert inner["t"] is t and inner["nested"]["u"] is u  # the caller's tensors, filled
+    assert torch.equal(t, torch.arange(4.0)) and torch.equal(u, torch.ones(2, dtype=torch.int16))
+    assert inner["n"] == 7
+
+
+def test_per_rank_tensors_are_in_the_train_state_file_not_in_dcp(root: Path) -> None:
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "own": per_rank({"t": torch.arange(5)})})
+    directory = root / "step_1"
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    assert "w" in keys and not any(k.startswith("own") for k in keys)
+    summary = train_state_summary(directory)["train_state.rank0.safetensors"]["entries"]
+    assert summary["own"] == {"per_rank": {"t": {"__tensor__": {"dtype": "I64", "shape": [5]}}}}
+    loaded = safeckpt.load(root)
+    assert torch.equal(loaded["own"]["t"], torch.arange(5)) and torch.equal(loaded["w"], torch.ones(3))
+
+
+def test_a_per_rank_value_of_another_shape_or_missing_keys_is_an_error_naming_it(root: Path) -> None:
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"own": per_rank({"t": torch.arange(4.0), "k": 1})})
+        before = torch.zeros(3)
+        with pytest.raises(UnsupportedStateError, match=r"own\.t is float32 \[4\] in the checkpoint"):
+            mgr.restore({"own": per_rank({"t": before, "k": 0})})
+        assert torch.equal(before, torch.zeros(3))  # nothing was changed
+        with pytest.raises(UnsupportedStateError, match=r"'own\.extra'"):
+            mgr.restore({"own": per_rank({"t": torch.zeros(4), "k": 0, "extra": 2})})
+        loose = {"t": torch.zeros(4), "k": 0, "extra": 2}
+        restored = mgr.restore({"own": per_rank(loose)}, strict=False)
+    assert restored.missing == ("own.extra",)
+    assert torch.equal(loose["t"], torch.arange(4.0)) and loose["k"] == 1
+
+
+def test_a_per_rank_value_that_changes_shape_between_saves_is_saved_as_it_is_now(root: Path) -> None:
+    own: dict[str, Any] = {"t": torch.arange(2)}
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"own": per_rank(own)})
+        own["t"] = torch.arange(6).reshape(2, 3)  # the same structure signature: only the value changes
+        own["more"] = [1, (2, 3)]
+        mgr.save(2, {"own": per_rank(own)})
+        fresh: dict[str, Any] = {"t": torch.zeros(2, 3, dtype=torch.int64), "more": None}
+        mgr.restore({"own": per_rank(fresh)})
+    assert torch.equal(fresh["t"], torch.arange(6).reshape(2, 3)) and fresh["more"] == [1, (2, 3)]
+
+
+def test_what_per_rank_cannot_hold_is_refused_before_anything_is_written(root: Path) -> None:
+    with pytest.raises(UnsupportedStateError, match="per_rank\\(\\) takes a Stateful"):
+        per_rank(nn.Linear(2, 2))
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(1)})
+        with pytest.raises(UnsupportedStateError, match=r"own\.fn is a builtins\.function"):
+            mgr.save(2, {"own": per_rank({"fn": lambda: 0})})
+        assert [c.step for c in mgr.checkpoints()] == [1]
+    assert json.loads((root / "step_1" / "metadata.json").read_text())["step"] == 1
+
+
+def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> None:
+    from safeckpt.replicas import SMALL_BYTES, diverging, fingerprints
+
+    same, other = torch.arange(4), torch.arange(4) + 1
+    big = torch.zeros(SMALL_BYTES // 4 + 1)  # past the size that is fingerprinted
+    rank0 = fingerprints({"a": same, "b": same, "stage0": same, "big": big})
+    rank1 = fingerprints({"a": same.clone(), "b": other, "stage1": other, "big": big + 1})
+    assert "big" not in rank0
+    assert diverging([rank0, rank1]) == {"b": [0, 1]}  # disjoint keys (pipeline stages) are not
