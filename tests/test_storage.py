@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt import archive, archive_shapes, early_read, storage
+from safeckpt import archive, archive_read, archive_shapes, early_read, storage
 from safeckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
 from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
@@ -234,7 +234,7 @@ def test_a_planted_pickle_never_runs(tmp_path: Path) -> None:
 def test_layout_comes_from_the_weights_only_unpickler(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     with pytest.raises(pickle.UnpicklingError):
-        archive._read_layout(pickle.dumps(_Attack(marker), protocol=2))
+        archive_read._read_layout(pickle.dumps(_Attack(marker), protocol=2))
     assert not marker.exists()
 
 
@@ -284,7 +284,7 @@ def test_the_front_to_back_walk_agrees_with_the_zip_directory(tmp_path: Path, wr
             continue
         fd = os.open(tmp_path / info.relative_path, os.O_RDONLY)
         try:
-            parsed = archive._Archive(fd, info.offset, info.length)
+            parsed = archive_read._Archive(fd, info.offset, info.length)
             walked, listed = parsed.walk(), parsed.directory()
         finally:
             os.close(fd)
@@ -338,13 +338,13 @@ def test_archives_of_one_shape_are_parsed_in_full_at_most_once(
     if not guessed:
         monkeypatch.setattr(archive_shapes, "expected_shape", lambda *_: None)
     parsed = []
-    real = archive._Archive.directory
+    real = archive_read._Archive.directory
 
     def counting(self: Any) -> Any:
         parsed.append(1)
         return real(self)
 
-    monkeypatch.setattr(archive._Archive, "directory", counting)
+    monkeypatch.setattr(archive_read._Archive, "directory", counting)
     loaded = zeros_like(state)
     dcp.load(loaded, storage_reader=RawFileSystemReader(tmp_path), no_dist=True)
     assert_equal(loaded, state)

@@ -2,7 +2,7 @@
 
 :class:`~safeckpt.raw_reader.RawFileSystemReader` reads an archive's prefix,
 tensor and tail in one request only if it knows the archive's layout first
-(:class:`~safeckpt.archive._ArchiveShape`). :class:`ArchiveShapes` is that
+(:class:`~safeckpt.archive_read._ArchiveShape`). :class:`ArchiveShapes` is that
 knowledge for one reader: the shape DCP's metadata implies (the dtype and
 sizes of the saved chunk give the archive safeckpt and ``torch.save`` write
 for them), the shape of the last archive of the same length parsed in full,
@@ -17,7 +17,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .archive import _Archive, _ArchiveShape, _Layout, _named, _read_layout, _Record, expected_shape
+from .archive import expected_shape
+from .archive_read import _Archive, _ArchiveShape, _Layout, _named, _read_layout, _Record
 
 __all__ = ["ArchiveShapes"]
 

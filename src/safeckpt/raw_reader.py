@@ -29,15 +29,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .archive import (
-    _WINDOW,
-    _Archive,
-    _ArchiveShape,
-    _bytes_of,
-    _Layout,
-    preadv_exact,
-    raw_path_available,
-)
+from .archive import _bytes_of, raw_path_available
+from .archive_read import _WINDOW, _Archive, _ArchiveShape, _Layout, preadv_exact
 from .archive_shapes import ArchiveShapes
 from .direct_read import DirectFileReader
 from .early_read import advise

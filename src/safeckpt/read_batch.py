@@ -3,7 +3,7 @@
 One request per archive leaves a disk one request deep and idle while each
 archive is handled: on this project's disk, 2-4 MB reads ran at 1.5 GB/s
 where one ``readv`` of the whole file ran at 2.3. The bytes of an archive
-whose shape (:class:`~safeckpt.archive._ArchiveShape`) can be guessed go to
+whose shape (:class:`~safeckpt.archive_read._ArchiveShape`) can be guessed go to
 their places without reading its head first: its prefix and tail into small
 buffers, the tensor's bytes into the destination. The guess comes from DCP's
 metadata (the dtype and sizes of the saved chunk: the archive safeckpt and
@@ -14,7 +14,7 @@ kernel splits and queues at once.
 
 The guess is checked after the read, before anything is committed: the
 prefix read must equal the shape's, the tail must match it but for its CRCs
-(:meth:`~safeckpt.archive._ArchiveShape.matches_tail`). An archive that fails
+(:meth:`~safeckpt.archive_read._ArchiveShape.matches_tail`). An archive that fails
 this is read again on its own, the slow way, by the caller; the CRC32 of every
 archive is checked by the caller either way.
 
@@ -36,7 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .archive import _ArchiveShape, _bytes_of, preadv_exact
+from .archive import _bytes_of
+from .archive_read import _ArchiveShape, preadv_exact
 from .direct_read import ALIGN, DirectFileReader, Staged
 from .integrity import crc32
 

@@ -4,7 +4,7 @@ A state of 10,000 small tensors is 10,000 archives of a few KiB each. Handled
 one by one (:class:`~safeckpt.read_batch.Planned`: three buffers, a prefix and
 a tail compared, a copy), Python spends about 30 us on each, ten times what
 the disk needs to read it. Consecutive archives of one length whose shape is
-known (:class:`~safeckpt.archive._ArchiveShape`) are instead read into one
+known (:class:`~safeckpt.archive_read._ArchiveShape`) are instead read into one
 buffer, one row per archive, and handled with a few torch calls per run: the
 prefix and the masked tail of every row compared at once, the tensors' bytes
 gathered and copied into their targets with one ``_foreach_copy_``. Only the
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .archive import _ArchiveShape, _Layout
+from .archive_read import _ArchiveShape, _Layout
 from .integrity import crc32
 
 __all__ = ["RUN_ARCHIVE_BYTES", "RUN_BYTES", "RUN_MIN", "PlannedRun", "runs_as"]
