@@ -28,8 +28,9 @@ from .fileops import FileOps
 from .loading import load
 from .manager import CheckpointManager
 from .ownership import Owner, read_owner
+from .pending_registration import register_pending
 from .record import Record, read_record
-from .registration import CommitInfo, register_pending
+from .registration import CommitInfo
 from .registry import JsonlIndexRegistrar, Registrar
 from .restored import Restored
 from .retention import (

@@ -12,7 +12,7 @@ into the checkpoint's record::
 plus whatever ``register()`` returned. A registrar that raises anything (also a
 ``BaseException`` such as DCP's ``CheckpointException``) costs only that
 registration; it is retried, oldest first, before the next commit's, and by
-``safeckpt register ROOT`` (:func:`register_pending`).
+``safeckpt register ROOT`` (:func:`~safeckpt.pending_registration.register_pending`).
 
 Guarantees: ``submit`` never blocks; ``close(timeout)`` returns within about
 ``timeout`` seconds even when ``register()`` hangs, and marks what it did not
@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import scan
-from .errors import CheckpointError, CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
-from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import Layout
+from .errors import CheckpointError, IncompleteCheckpointError
+from .fileops import FileOps
 from .lock import SidecarLock
 from .record import Record, amend_record, check_json_value, read_record
 from .registry import Registrar
@@ -415,115 +414,11 @@ class RegistrationWorker:
             self._failed.setdefault((info.step, info.record.time), info)
 
 
-def registrar_from_json(data: Mapping[str, Any]) -> Registrar:
-    """Rebuild a registrar from its ``to_json()`` (dispatch on ``data["kind"]``)."""
-    kind = data.get("kind") if isinstance(data, Mapping) else None
-    if kind == "mlflow":
-        from .mlflow import MlflowRegistrar
+def __getattr__(name: str) -> Any:
+    # register_pending and registrar_from_json live in pending_registration (which imports this
+    # module); imports of them from here keep working.
+    if name in ("register_pending", "registrar_from_json"):
+        from . import pending_registration
 
-        return MlflowRegistrar.from_json(data)
-    if kind == "jsonl":
-        from .registry import JsonlIndexRegistrar
-
-        return JsonlIndexRegistrar(data["index_path"])
-    raise ConfigError(
-        f"cannot rebuild a registrar of kind {kind!r} (known: 'mlflow', 'jsonl'); pass the "
-        "registrar explicitly."
-    )
-
-
-def register_pending(
-    root: str | Path, registrar: Registrar | None = None, *, step: int | None = None
-) -> list[tuple[int, str]]:
-    """(Re)register committed checkpoints of ``root``: ``(step, status)`` for each one tried.
-
-    With ``step``: that checkpoint, whatever its registration says. Without:
-    every one whose registration ``failed`` or is ``unfinished``, oldest first,
-    and, when ``registrar`` is given, those with no registration at all that
-    it wants (``should_register``). ``registrar`` None: rebuilt per record from
-    the ``registrar`` its registration recorded (:func:`registrar_from_json`);
-    a record without one gets status ``"no registrar"``. Registering is
-    idempotent for registrars that look up before they create (MLflow does).
-    Holds the sidecar lock for each record amend; safe while a job writes.
-    """
-    root = Path(root).absolute()
-    layout = Layout(root)
-    catalog = scan(root)
-    committed = catalog.committed
-    lock = SidecarLock(layout.lock_path)
-    try:
-        if step is not None:
-            if step not in committed:
-                raise CheckpointNotFoundError(
-                    f"there is no committed checkpoint of step {step} in {root}; see `safeckpt ls {root}`.",
-                    step=step,
-                    path=str(root),
-                )
-            chosen = [(committed[step], False)]
-        else:
-            chosen = _pending(committed.values(), registrar is not None)
-        infos = [
-            CheckpointInfo(e.step, e.record.metrics, e.record.time, e.record.pinned)
-            for e in committed.values()
-            if e.record is not None
-        ]
-        built: dict[str, Registrar] = {}
-        results: list[tuple[int, str]] = []
-        for entry, check in chosen:
-            record = entry.record
-            assert record is not None
-            which = registrar if registrar is not None else _rebuilt(record, built)
-            if which is None:
-                results.append((record.step, "no registrar"))
-                continue
-            # The newest step counts as the run's final one for a registrar that chooses
-            # (which="final"); one that registers every commit just registers it.
-            info = CommitInfo(
-                record.step,
-                entry.path,
-                record,
-                root,
-                is_best=is_best(record.step, infos, _record_retention(record)),
-                final=record.step == catalog.latest_step and hasattr(which, "should_register"),
-            )
-            status = register_one(which, info, lock, DEFAULT_FILE_OPS, check=check)
-            if status is not None:
-                results.append((record.step, status))
-        for rebuilt in built.values():
-            close = getattr(rebuilt, "close", None)
-            if close is not None:
-                close()
-        return results
-    finally:
-        lock.close()
-
-
-def _pending(entries: Iterable[Any], has_registrar: bool) -> list[tuple[Any, bool]]:
-    chosen = []
-    for entry in entries:
-        registration = entry.record.registration if entry.record is not None else None
-        if isinstance(registration, Mapping) and registration.get("status") in RETRIED:
-            chosen.append((entry, False))
-        elif registration is None and has_registrar:
-            chosen.append((entry, True))
-    return sorted(chosen, key=lambda c: c[0].record.time)
-
-
-def _record_retention(record: Record) -> Any:
-    from .retention import Retention
-
-    try:
-        return Retention.from_json(record.retention) if record.retention else None
-    except (CheckpointError, TypeError):
-        return None
-
-
-def _rebuilt(record: Record, built: dict[str, Registrar]) -> Registrar | None:
-    registration = record.registration
-    data = registration.get("registrar") if isinstance(registration, Mapping) else None
-    if not isinstance(data, Mapping):
-        return None
-    key = repr(sorted(data.items()))
-    if key not in built:
-        built[key] = registrar_from_json(data)
-    return built[key]
+        return getattr(pending_registration, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
