@@ -10,11 +10,11 @@ from ..export import (
     DTYPES,
     FORMATS,
     SAFETENSORS,
-    import_weights,
     plan_export,
     write_export,
 )
 from ..failures import human_size
+from ..weights_import import import_weights
 from .args import byte_size, non_negative_int
 from .common import EXIT_OK, add_command, existing_root, out, print_json, progress_bar
 
