@@ -158,6 +158,8 @@ def per_rank_state(rank: int, ws: int, root: Path, results: Path, phase: str) ->
     def state(fill: int) -> dict[str, Any]:
         return {
             "w": torch.full((3,), float(fill)),
+            "big": torch.full((1 << 16,), float(fill)),  # 256 KiB: compared by a sample
+            "same": torch.ones(1 << 16),
             "data": safeckpt.per_rank({"order": torch.full((4,), fill), "cursor": fill}),
         }
 

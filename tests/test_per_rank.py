@@ -123,8 +123,12 @@ def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> No
     from safeckpt.replicas import SMALL_BYTES, diverging, fingerprints
 
     same, other = torch.arange(4), torch.arange(4) + 1
-    big = torch.zeros(SMALL_BYTES // 4 + 1)  # past the size that is fingerprinted
-    rank0 = fingerprints({"a": same, "b": same, "stage0": same, "big": big})
-    rank1 = fingerprints({"a": same.clone(), "b": other, "stage1": other, "big": big + 1})
-    assert "big" not in rank0
-    assert diverging([rank0, rank1]) == {"b": [0, 1]}  # disjoint keys (pipeline stages) are not
+    big = torch.randn(256, SMALL_BYTES // 4)  # past the size fingerprinted whole: sampled
+    shard1 = torch.randn(256, SMALL_BYTES // 4)  # another part of one weight (plain tensor parallelism)
+    rank0 = fingerprints({"a": same, "b": same, "stage0": same, "big": big, "w": big, "t": big})
+    rank1 = fingerprints(
+        {"a": same.clone(), "b": other, "stage1": other, "big": big.clone(), "w": shard1, "t": big.t()}
+    )
+    assert "t" not in rank1  # a large tensor that is not contiguous is left out
+    # disjoint keys (pipeline stages) are not compared; equal large replicas are not diverging
+    assert diverging([rank0, rank1]) == {"b": [0, 1], "w": [0, 1]}

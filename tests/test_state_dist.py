@@ -99,8 +99,9 @@ def test_per_rank_state_comes_back_to_its_own_rank_and_stays_as_is_on_a_new_one(
     assert [(o["order"], o["cursor"]) for o in out] == [([10] * 4, 10), ([11] * 4, 11)]
     assert len({o["w"] for o in out}) == 1  # one copy for both ranks
     # ... and rank 0 said so, once, naming the plain tensor (not the per_rank one)
-    assert len(out[0]["differ"]) == 1 and "'w' (ranks 0, 1)" in out[0]["differ"][0], out[0]["differ"]
-    assert "'data" not in out[0]["differ"][0] and out[1]["differ"] == []
+    differ = out[0]["differ"]
+    assert len(differ) == 1 and "'w' (ranks 0, 1)" in differ[0] and "'big' (ranks 0, 1)" in differ[0], differ
+    assert "'data" not in differ[0] and "'same'" not in differ[0] and out[1]["differ"] == []
     wider = run("per_rank_state", 4, root, results, phase="restore")
     assert [(o["order"], o["cursor"]) for o in wider] == [([10] * 4, 10), ([11] * 4, 11)] + [
         ([-1] * 4, -1)

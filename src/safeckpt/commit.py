@@ -112,7 +112,8 @@ class CommitPath:
             "safeckpt: step %d: %d plain tensor(s) differ between ranks: %s%s. DCP stores one copy of a "
             "plain tensor that several ranks hold under one key, and a restore gives every rank that "
             "copy. Wrap what each rank holds for itself (a data loader, a generator) in "
-            "safeckpt.per_rank(...); see docs/state.md.",
+            "safeckpt.per_rank(...), and make a tensor that holds one part of a larger weight a DTensor; "
+            "see docs/state.md.",
             step,
             len(found),
             listing,
