@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +79,7 @@ from safeckpt.fileops import DEFAULT_FILE_OPS
 SECTIONS = ("async", "sync", "restore", "inflation", "cleanup")
 SAFECKPT = "safeckpt"
 TORCH_IO = "safeckpt, SAFECKPT_DCP_IO=torch"
+BUFFERED_IO = "safeckpt, SAFECKPT_DIRECT_IO=0"
 UNVERIFIED = "safeckpt, SAFECKPT_VERIFY=0"
 CLEANUP_COUNTS = (10, 100, 1000)
 
@@ -122,26 +123,25 @@ class Bench:
     def read_limit(self) -> ReadLimit:
         return ReadLimit(self.buffers, self.scratch)
 
-    def safeckpt_variants(self) -> list[tuple[str, bool]]:
-        """``(row name, torch I/O)``: the manager as it is, and with DCP's own writer and reader."""
-        return [(SAFECKPT, False), (TORCH_IO, True)]
+    def safeckpt_variants(self) -> list[tuple[str, Mapping[str, str]]]:
+        """``(row name, environment)``: the manager as it is, and with DCP's own writer and reader."""
+        return [(SAFECKPT, {}), (TORCH_IO, {"SAFECKPT_DCP_IO": "torch"})]
 
 
 @contextlib.contextmanager
-def wiring(torch_io: bool) -> Iterator[None]:
-    """Run the manager with DCP's own writer and reader (``SAFECKPT_DCP_IO=torch``), or as it is."""
-    if not torch_io:
-        yield
-        return
-    previous = os.environ.get("SAFECKPT_DCP_IO")
-    os.environ["SAFECKPT_DCP_IO"] = "torch"
+def wiring(env: Mapping[str, str]) -> Iterator[None]:
+    """Run the manager with the variables of ``env`` set (``SAFECKPT_DCP_IO=torch``: DCP's own
+    writer and reader), and the environment as it was afterwards."""
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ["SAFECKPT_DCP_IO"]
-        else:
-            os.environ["SAFECKPT_DCP_IO"] = previous
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def remove(path: Path) -> None:
@@ -163,14 +163,14 @@ class AsyncRunner(Protocol):
 
 
 class SafeckptAsync:
-    def __init__(self, b: Bench, torch_io: bool) -> None:
-        self.b, self.torch_io = b, torch_io
+    def __init__(self, b: Bench, env: Mapping[str, str]) -> None:
+        self.b, self.env = b, env
         self.mgr = CheckpointManager(b.fresh("async-root"), retention=Retention(keep_last=1))
         self.step = 0
 
     def run(self) -> tuple[float, float]:
         self.step += 1
-        with held(self.mgr), wiring(self.torch_io):
+        with held(self.mgr), wiring(self.env):
             start = time.perf_counter()
             self.mgr.save(self.step, self.b.state.state)
             returned = time.perf_counter()
@@ -277,10 +277,10 @@ def bench_async(b: Bench) -> list[Table]:
         bound=True,
     )
     runners: dict[str, AsyncRunner] = {}
-    for name, torch_io in b.safeckpt_variants():
+    for name, env in b.safeckpt_variants():
         blocking.row(name, target=1.3)
         durable.row(name, target=1.3)  # issue 15: at most 1.3x (memcpy + write)
-        runners[name] = SafeckptAsync(b, torch_io)
+        runners[name] = SafeckptAsync(b, env)
     runners["dcp.async_save"] = DcpAsync(b)
     if lightning_available():
         runners["Lightning AsyncCheckpointIO"] = LightningAsync(b)
@@ -332,17 +332,17 @@ def bench_sync(b: Bench) -> list[Table]:
         bound=True,
     )
     managers = {}
-    for name, torch_io in b.safeckpt_variants():
+    for name, env in b.safeckpt_variants():
         table.row(name, target=1.1)
         mgr = CheckpointManager(b.fresh("sync-root"), async_save=False, retention=Retention(keep_last=1))
-        managers[name] = (mgr, torch_io)
+        managers[name] = (mgr, env)
     steps = iter(range(1, 1 << 30))
 
     def safeckpt_save(name: str) -> Callable[[], Path | None]:
-        mgr, torch_io = managers[name]
+        mgr, env = managers[name]
 
         def run() -> Path | None:
-            with wiring(torch_io):
+            with wiring(env):
                 mgr.save(next(steps), b.state.state)
             return None  # the previous checkpoint is pruned after the timing (held)
 
@@ -419,9 +419,9 @@ def bench_restore(b: Bench) -> list[Table]:
     save_file(b.flat, files["safetensors"])
     targets = dict(zip(b.names, b.buffers, strict=True))
 
-    def safeckpt_restore(torch_io: bool) -> Callable[[], Any]:
+    def safeckpt_restore(env: Mapping[str, str]) -> Callable[[], Any]:
         def run() -> Any:
-            with wiring(torch_io):
+            with wiring(env):
                 return mgr.restore(b.state.state)
 
         return run
@@ -434,9 +434,9 @@ def bench_restore(b: Bench) -> list[Table]:
             del os.environ["SAFECKPT_VERIFY"]
 
     variants: dict[str, tuple[Path, Callable[[], Any]]] = {}
-    for name, torch_io in b.safeckpt_variants():
+    for name, env in b.safeckpt_variants():
         table.row(name, target=1.25)
-        variants[name] = (root, safeckpt_restore(torch_io))
+        variants[name] = (root, safeckpt_restore(env))
     table.row(UNVERIFIED, note="checksums not checked: what verification costs")
     variants[UNVERIFIED] = (root, unverified_restore)
     variants |= {
@@ -486,6 +486,14 @@ class Window:
     """Steps per second."""
     background_cpu: float
     """CPU seconds the process spent outside the compute thread meanwhile."""
+    steal: float
+    """Seconds the hypervisor ran something else on this VM's CPUs meanwhile (all CPUs together)."""
+    elapsed: float
+    """Seconds the loop ran."""
+
+    @property
+    def steal_per_second(self) -> float:
+        return self.steal / self.elapsed
 
 
 class Compute:
@@ -501,7 +509,7 @@ class Compute:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            process, own = _process_cpu(), time.thread_time()
+            process, own, stolen = _process_cpu(), time.thread_time(), _steal()
             steps, start = 0, time.perf_counter()
             while True:
                 torch.mm(self.a, self.b, out=self.out)
@@ -509,7 +517,7 @@ class Compute:
                 elapsed = time.perf_counter() - start
                 if not keep_going(elapsed):
                     other = _process_cpu() - process - (time.thread_time() - own)
-                    return Window(steps / elapsed, other)
+                    return Window(steps / elapsed, other, _steal() - stolen, elapsed)
         finally:
             torch.set_num_threads(previous)
 
@@ -519,6 +527,16 @@ def _process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _steal() -> float:
+    """Steal time of every CPU, in seconds (``/proc/stat``; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _in_thread(fn: Callable[[], Any]) -> threading.Thread:
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
@@ -526,6 +544,7 @@ def _in_thread(fn: Callable[[], Any]) -> threading.Thread:
 
 
 FLOOR = "raw write + fsync in a thread (floor)"
+NO_SAVE = "nothing in the background (the limit's loop)"
 
 
 def bench_inflation(b: Bench) -> list[Table]:
@@ -542,20 +561,28 @@ def bench_inflation(b: Bench) -> list[Table]:
         "for a raw write of the same bytes in a thread",
         limit="the floor row of the table above",
     )
+    steal = Table(
+        "steal",
+        "Hypervisor steal time during the compute loop",
+        "ms of steal time (/proc/stat, all CPUs) per second of the compute loop's window",
+        unit="ms",
+    )
     compute = Compute(b.args.matmul, b.args.compute_threads)
     managers: dict[str, tuple[CheckpointManager, bool]] = {}
-    for name, torch_io in b.safeckpt_variants():
-        table.row(name, target=1.05)
+    # Buffered writes: O_DIRECT's disk requests cost this VM's host CPU it takes from the guest
+    # (the steal table); the row shows what turning it off gives the loop and costs the save.
+    for name, env in [*b.safeckpt_variants(), (BUFFERED_IO, {"SAFECKPT_DIRECT_IO": "0"})]:
+        table.row(name, target=None if name == BUFFERED_IO else 1.05)
         mgr = CheckpointManager(b.fresh("inflation-root"), retention=Retention(keep_last=1))
-        managers[name] = (mgr, torch_io)
+        managers[name] = (mgr, env)
     dcp_async = DcpAsync(b, "inflation-dcp")
     steps = iter(range(1, 1 << 30))
 
     def safeckpt_save(name: str) -> Callable[[], Window]:
-        mgr, torch_io = managers[name]
+        mgr, env = managers[name]
 
         def run() -> Window:
-            with held(mgr), wiring(torch_io):
+            with held(mgr), wiring(env):
                 mgr.save(next(steps), b.state.state)  # staging is not part of the window
                 waiter = _in_thread(mgr.wait)
                 window = compute.run(lambda _: waiter.is_alive())
@@ -590,6 +617,8 @@ def bench_inflation(b: Bench) -> list[Table]:
                 windows[name] = compute.run(lambda elapsed: elapsed < b.args.window)
             else:
                 windows[name] = variants[name]()
+        for name, window in windows.items():
+            steal.add_value(NO_SAVE if name == "limit" else name, 1e3 * window.steal_per_second)
         base = windows.pop("limit").rate
         table.limit_seconds.append(1 / base)
         floor_cpu = windows[FLOOR].background_cpu
@@ -610,7 +639,12 @@ def bench_inflation(b: Bench) -> list[Table]:
         "From getrusage (user + system) less the compute thread's own time; the kernel's writeback "
         "threads are not counted for any row. 'median time' is CPU seconds."
     )
-    return [table, cpu]
+    steal.notes.append(
+        "Steal time is what a virtual machine's host takes from its CPUs (/proc/stat). A compute "
+        "step that takes 10x its usual time with no context switch of its thread is stolen time: "
+        "an inflation row on a machine with steal is the host's as much as the save's."
+    )
+    return [table, cpu, steal]
 
 
 # --- cleanup on the training thread ------------------------------------------------------------
