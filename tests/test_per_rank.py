@@ -132,3 +132,22 @@ def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> No
     assert "t" not in rank1  # a large tensor that is not contiguous is left out
     # disjoint keys (pipeline stages) are not compared; equal large replicas are not diverging
     assert diverging([rank0, rank1]) == {"b": [0, 1], "w": [0, 1]}
+
+
+def test_a_rank_with_many_tensors_checks_a_share_per_save_and_every_key_within_a_few(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from safeckpt import replicas
+
+    monkeypatch.setattr(replicas, "MOST", 8)
+    model = {f"layer{i}": torch.full((3,), float(i)) for i in range(40)}  # before the loader's state
+    rank0 = {**model, "data.order": torch.arange(5)}
+    rank1 = {**{k: v.clone() for k, v in list(model.items())[:20]}, "data.order": torch.arange(5).flip(0)}
+    seen: set[str] = set()
+    for step in range(0, 64 * 500, 500):  # steps a run saves at: multiples of the save interval
+        prints0, prints1 = replicas.fingerprints(rank0, step), replicas.fingerprints(rank1, step)
+        assert len(prints0) <= 16  # about MOST, never all 41
+        # what the rank with more tensors (a smaller share) checks, the one with fewer checks too
+        assert set(prints0) & set(rank1) <= set(prints1)
+        seen |= set(replicas.diverging([prints0, prints1]))
+    assert seen == {"data.order"}

@@ -136,7 +136,7 @@ class CommitPath:
         prints: dict[str, int] = {}
         try:
             if parts.distributed:  # before the staging buffers go back: see safeckpt.replicas
-                prints = fingerprints(job.dcp_state)
+                prints = fingerprints(job.dcp_state, job.step)
             job.staging_dir.mkdir(parents=True, exist_ok=True)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(

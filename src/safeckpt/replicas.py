@@ -11,6 +11,11 @@ cache lines of a larger (contiguous) one, so the check stays cheap for a large
 replicated model and still sees tensors that differ throughout.
 The fingerprints travel with the checksums rank 0 gathers anyway, and rank 0
 warns about every key whose fingerprints differ (which means its bytes do).
+A rank with more than ``MOST`` plain tensors fingerprints a share of them in
+each save, chosen by a hash of the key and of the step, so every key is
+checked within a few saves and ranks that hold a key agree on whether it is
+in this save's share (the share of a rank with fewer tensors holds the share
+of one with more: each is a power-of-two fraction of the same hashes).
 A warning, not an error: some runs keep per-rank replicas on purpose (DDP
 with ``broadcast_buffers=False``), and DCP's one copy is what they get.
 """
@@ -24,31 +29,38 @@ import torch
 
 from .integrity import crc32
 
-__all__ = ["BLOCKS", "SMALL_BYTES", "diverging", "fingerprints"]
+__all__ = ["BLOCKS", "MOST", "SMALL_BYTES", "diverging", "fingerprints"]
 
 SMALL_BYTES = 64 << 10  # plain tensors up to this size are fingerprinted whole
 BLOCKS = 64  # evenly spaced cache lines of a larger one that its fingerprint covers
 _LINE = 64
-_MOST = 4096  # tensors fingerprinted per save, at most
+MOST = 4096  # about as many tensors fingerprinted per save, at most: what rank 0 gathers stays small
 
 
-def fingerprints(dcp_state: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """``fqn -> CRC32`` of the plain CPU tensors of one rank's DCP state (a sample of the large ones)."""
+def fingerprints(dcp_state: Mapping[str, torch.Tensor], step: int = 0) -> dict[str, int]:
+    """``fqn -> CRC32`` of the plain CPU tensors of one rank's DCP state (a sample of the large
+    ones); of this ``step``'s share of them where there are more than :data:`MOST`."""
+    plain = [
+        (fqn, tensor)
+        for fqn, tensor in dcp_state.items()
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+    ]
+    share = 1
+    while len(plain) > MOST * share:
+        share *= 2
+    phase = crc32(struct.pack("<q", step)) if share > 1 else 0
     out: dict[str, int] = {}
-    for fqn, tensor in dcp_state.items():
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
-            continue
+    for fqn, tensor in plain:
+        if share > 1 and (crc32(fqn.encode()) ^ phase) & (share - 1):
+            continue  # another save's share
         if tensor.is_conj() or tensor.is_neg() or tensor.is_quantized:
             continue
         try:
             found = _fingerprint(tensor.detach())
         except (RuntimeError, TypeError, ValueError):  # a layout numpy cannot view: never fail a save
             found = None
-        if found is None:
-            continue
-        out[fqn] = found
-        if len(out) >= _MOST:
-            break
+        if found is not None:
+            out[fqn] = found
     return out
 
 
