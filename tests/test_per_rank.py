@@ -151,3 +151,38 @@ def test_a_rank_with_many_tensors_checks_a_share_per_save_and_every_key_within_a
         assert set(prints0) & set(rank1) <= set(prints1)
         seen |= set(replicas.diverging([prints0, prints1]))
     assert seen == {"data.order"}
+
+
+class Sampler:
+    """A Stateful that marks its own position per_rank inside its state_dict (a dict it keeps)."""
+
+    def __init__(self) -> None:
+        self.order = torch.zeros(3, dtype=torch.int64)
+        self.state = {"epoch": 0, "mine": per_rank({"cursor": 0, "order": self.order})}
+        self.received: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state  # its own dict, not a copy
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.received = state
+        self.state = {"epoch": state["epoch"], "mine": per_rank(state["mine"])}
+
+
+@SYNC_ASYNC
+def test_a_stateful_with_per_rank_inside_gets_plain_values_in_load_state_dict(
+    root: Path, async_save: bool
+) -> None:
+    saved = Sampler()
+    saved.state = {"epoch": 2, "mine": per_rank({"cursor": 7, "order": torch.arange(3)})}
+    with CheckpointManager(root, async_save=async_save) as mgr:
+        mgr.save(1, {"sampler": saved})
+        mgr.wait()
+        fresh = Sampler()
+        wrapper = fresh.state["mine"]
+        mgr.restore({"sampler": fresh})
+    assert fresh.received["epoch"] == 2 and fresh.received["mine"]["cursor"] == 7
+    assert torch.equal(fresh.received["mine"]["order"], torch.arange(3))
+    assert not any(isinstance(v, type(wrapper)) for v in fresh.received.values())
+    assert torch.equal(fresh.order, torch.arange(3))  # the saved tensor went into the live one
+    assert isinstance(fresh.state["mine"], type(wrapper))  # the object still marks it per_rank

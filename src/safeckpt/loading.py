@@ -41,6 +41,7 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
+
 class _Absent:
     def __repr__(self) -> str:
         return "<absent>"
@@ -213,7 +214,7 @@ class LoadPlan:
         # (a fresh optimizer has no moments yet, and gets the saved ones).
         template = obj.state_dict()
         loaded = self.plan(template, node, keys, full=True)
-        self._actions.append(lambda: obj.load_state_dict(_apply(template, loaded)))
+        self._actions.append(lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded))))
         return obj
 
     def _per_rank(self, target: PerRank, node: Any, keys: tuple[Any, ...], full: bool) -> Any:
@@ -345,6 +346,23 @@ def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
 def _copy_into(target: torch.Tensor, saved: torch.Tensor) -> None:
     with torch.no_grad():  # a parameter's copy must not record autograd history
         target.copy_(saved)
+
+
+def _unwrapped(value: Any) -> Any:
+    """``value`` with every ``per_rank`` wrapper replaced by what it holds, for a ``Stateful``'s
+    ``load_state_dict`` (which gets what its ``state_dict`` held, as ``safeckpt.load`` returns it).
+    Containers are copied where something changed: the object may hand out its own dicts."""
+    if isinstance(value, PerRank):
+        return _unwrapped(value.value)
+    if isinstance(value, dict):
+        items = {k: _unwrapped(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, (list, tuple)):
+        values = [_unwrapped(v) for v in value]
+        if all(a is b for a, b in zip(values, value, strict=True)):
+            return value
+        return tuple(values) if isinstance(value, tuple) else values
+    return value
 
 
 def _put_per_rank(wrapper: PerRank, loaded: Any) -> None:
