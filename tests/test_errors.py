@@ -20,6 +20,7 @@ from safeckpt.errors import (
     InvalidSaveError,
     LockTimeoutError,
     ManagerClosedError,
+    NewerFormatError,
     RankAgreementError,
     RootInUseError,
     SaveFailedError,
@@ -42,6 +43,7 @@ CLASSES: list[tuple[type[CheckpointError], type[BaseException]]] = [
     (RootInUseError, Exception),
     (ManagerClosedError, RuntimeError),
     (ConfigError, ValueError),
+    (NewerFormatError, Exception),
 ]
 IDS = [cls.__name__ for cls, _ in CLASSES]
 

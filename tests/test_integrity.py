@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import safeckpt
 from faults import FaultyFileOps
 from safeckpt import (
     CheckpointError,
@@ -425,6 +426,23 @@ def test_a_tampered_train_state_touches_nothing(root: Path, change: Any) -> None
         assert state["sched"].state_dict() == sched_before
         assert mgr.restore(state, step=1).step == 1  # and the state still loads a sound checkpoint
     assert state["model"] is model
+
+
+def test_a_newer_train_state_format_is_refused_by_name_and_never_skipped(root: Path) -> None:
+    from safeckpt import NewerFormatError
+
+    _saves(root)
+    _rewrite_train_state(root / "step_2", lambda document: document.update(format=99))
+    state = make_state(seed=6)
+    before = weights(state)
+    with CheckpointManager(root) as mgr:
+        # auto-resume does not fall back to step 1: that would undo training without a word
+        with pytest.raises(NewerFormatError, match=r"newer safeckpt \(train-state format 99.*Upgrade"):
+            mgr.restore(state)
+        assert same_weights(weights(state), before)
+        with pytest.raises(NewerFormatError):
+            safeckpt.load(root)
+        assert mgr.restore(state, step=1).step == 1
 
 
 @pytest.mark.parametrize("stale", [1, 4, 5])

@@ -70,14 +70,18 @@ def test_a_per_rank_dict_is_restored_in_place(root: Path) -> None:
 def test_per_rank_tensors_are_in_the_train_state_file_not_in_dcp(root: Path) -> None:
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, {"w": torch.ones(3), "own": per_rank({"t": torch.arange(5)})})
+        mgr.save(2, {"w": torch.ones(3)})
     directory = root / "step_1"
+    # format 3 where a per_rank value is in the file (an earlier safeckpt names the version), else 2
+    assert train_state_summary(directory)["train_state.rank0.safetensors"]["format"] == 3
+    assert train_state_summary(root / "step_2")["train_state.rank0.safetensors"]["format"] == 2
     import torch.distributed.checkpoint as dcp
 
     keys = set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
     assert "w" in keys and not any(k.startswith("own") for k in keys)
     summary = train_state_summary(directory)["train_state.rank0.safetensors"]["entries"]
     assert summary["own"] == {"per_rank": {"t": {"__tensor__": {"dtype": "I64", "shape": [5]}}}}
-    loaded = safeckpt.load(root)
+    loaded = safeckpt.load(root, step=1)
     assert torch.equal(loaded["own"]["t"], torch.arange(5)) and torch.equal(loaded["w"], torch.ones(3))
 
 

@@ -375,7 +375,7 @@ DAMAGED = [
     pytest.param(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json", id="garbage"),
     pytest.param(encode_train_state('{"D": []}', "[]", {"t": torch.ones(100)})[:-7], id="truncated"),
     pytest.param(_blob({"format": 2}), id="no-tree"),
-    pytest.param(_blob({"format": 3, "tree": {"D": []}, "values": []}), id="newer-format"),
+    pytest.param(_blob({"format": "3", "tree": {"D": []}, "values": []}), id="unknown-format"),
     pytest.param(_blob({"format": 1}), id="format-1-without-entries"),
     pytest.param(_blob({"format": 2, "tree": {"D": []}, "values": [{"__bytes__": "!!"}]}), id="bad-base64"),
 ]

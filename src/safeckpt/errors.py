@@ -54,6 +54,11 @@ class IncompleteCheckpointError(CheckpointError):
     """A checkpoint exists but is not committed, or its files do not match its record."""
 
 
+class NewerFormatError(CheckpointError):
+    """A checkpoint was written by a newer safeckpt, in a format this one cannot read. Never skipped
+    by auto-resume: falling back to an older checkpoint would silently undo training progress."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint asked to run code, to read a file outside itself, or to open something that is
     not a regular file: loading never allows it."""

@@ -155,6 +155,8 @@ class _Plan:
     fqns: list[str]
     value_paths: list[str]
     tree_json: str
+    per_rank: bool
+    """The tree has a ``per_rank`` value (the train-state file's format 3)."""
 
 
 @dataclass
@@ -211,7 +213,9 @@ def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = N
         cache.hits += 1
     tensors: dict[str, torch.Tensor] = {}  # per_rank() values' tensors, copied now
     values_json = encode_values(got.values, plan.value_paths, tensors)
-    blob = encode_train_state(plan.tree_json, values_json, capture_rng() if rng else None, tensors)
+    blob = encode_train_state(
+        plan.tree_json, values_json, capture_rng() if rng else None, tensors, per_rank=plan.per_rank
+    )
     return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), blob)
 
 
@@ -311,6 +315,7 @@ class _Describer:
         self.fqns: list[str] = []
         self.owners: dict[str, tuple[Any, ...]] = {}
         self.value_paths: list[str] = []
+        self.per_rank = False
 
     def node(self, value: Any, keys: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -322,6 +327,7 @@ class _Describer:
         if kind is list or kind is tuple:
             return self.sequence(value, keys)
         if isinstance(value, PerRank):
+            self.per_rank = True
             self.value_paths.append(display(keys) or "state")
             return {"R": len(self.value_paths) - 1}
         if isinstance(value, nn.Module):
@@ -397,4 +403,5 @@ def _describe(state: Mapping[Any, Any], got: _Collected) -> _Plan:
         fqns=describer.fqns,
         value_paths=describer.value_paths,
         tree_json=json.dumps(tree),
+        per_rank=describer.per_rank,
     )

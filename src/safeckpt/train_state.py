@@ -2,7 +2,7 @@
 
 The file is a safetensors blob. Its metadata holds one JSON document::
 
-    {"format": 2,
+    {"format": 2,                              # 3 where the tree has a per_rank value
      "tree": {"D": [[key, node], ...]},         # the container structure of the state
      "values": [<leaf>, ...],                  # every non-tensor leaf, in walk order
      "rng": <the RNG states or null>}
@@ -36,11 +36,14 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from . import dcp_io
-from .errors import IncompleteCheckpointError, UnsupportedStateError
+from .errors import IncompleteCheckpointError, NewerFormatError, UnsupportedStateError
 from .integrity import read_verified
 from .record import Record
 
 TRAIN_STATE_FORMAT = 2
+PER_RANK_FORMAT = 3  # a file with ``{"R": i}`` nodes, whose values hold tensors: safeckpt 0.1 of
+# before per_rank() reads it as damage, where a format it does not know names the version
+READABLE_FORMATS = (1, TRAIN_STATE_FORMAT, PER_RANK_FORMAT)
 _METADATA_KEY = "safeckpt.train_state"
 RNG_KEY = "rng"
 _RANK_FILE = re.compile(r"train_state\.rank(\d+)\.safetensors")
@@ -168,15 +171,18 @@ def encode_train_state(
     values_json: str,
     rng: Mapping[str, Any] | None,
     tensors: dict[str, torch.Tensor] | None = None,
+    *,
+    per_rank: bool = False,
 ) -> bytes:
     """The train-state file's bytes from the (cached) tree JSON, the values' JSON (and the tensors
-    :func:`encode_values` put in ``tensors``) and the RNG states."""
+    :func:`encode_values` put in ``tensors``) and the RNG states; ``per_rank``: the tree has
+    ``{"R": i}`` nodes (format 3, which an earlier safeckpt refuses by its number)."""
     encoder = _Encoder(tensors)
     rng_json = "null" if rng is None else json.dumps(encoder.encode(dict(rng), "rng state"), allow_nan=True)
+    version = PER_RANK_FORMAT if per_rank else TRAIN_STATE_FORMAT
     # Assembled as text: the tree of a large state is encoded once per structure, not per save.
     document = (
-        f'{{"format": {TRAIN_STATE_FORMAT}, "tree": {tree_json}, "values": {values_json}, '
-        f'"{RNG_KEY}": {rng_json}}}'
+        f'{{"format": {version}, "tree": {tree_json}, "values": {values_json}, "{RNG_KEY}": {rng_json}}}'
     )
     return safetensors_save(encoder.tensors, metadata={_METADATA_KEY: document})
 
@@ -195,18 +201,27 @@ def decode_train_state(blob: bytes, *, source: str) -> dict[str, Any]:
                 "entries": _decode(document["entries"], tensors),
                 RNG_KEY: _decode(document.get(RNG_KEY), tensors),
             }
-        if document.get("format") != TRAIN_STATE_FORMAT:
-            raise ValueError(f"format {document.get('format')!r}, expected {TRAIN_STATE_FORMAT}")
+        version = document.get("format")
+        if isinstance(version, int) and version > max(READABLE_FORMATS):
+            raise NewerFormatError(
+                f"{source} was written by a newer safeckpt (train-state format {version}; this one "
+                f"reads formats up to {max(READABLE_FORMATS)}). Upgrade safeckpt to load it, or "
+                "restore an earlier checkpoint by its step."
+            )
+        if version not in (TRAIN_STATE_FORMAT, PER_RANK_FORMAT):
+            raise ValueError(f"format {version!r}, expected one of {READABLE_FORMATS}")
         tree = document["tree"]
         if not isinstance(tree, dict):
             raise ValueError("the tree is not a JSON object")
         # Inside the try: a document naming a tensor the file lacks is damage too.
         return {
-            "format": TRAIN_STATE_FORMAT,
+            "format": version,
             "tree": tree,
             "values": _decode(document["values"], tensors),
             RNG_KEY: _decode(document.get(RNG_KEY), tensors),
         }
+    except NewerFormatError:
+        raise
     except Exception as e:
         raise IncompleteCheckpointError(
             f"{source} is not a readable train-state file ({type(e).__name__}: {e}); the "
