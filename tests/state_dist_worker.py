@@ -181,6 +181,7 @@ def per_rank_state(rank: int, ws: int, root: Path, results: Path, phase: str) ->
         "cursor": own["cursor"],
         "w": fresh["w"][0].item(),
         "differ": [w for w in warnings if "differ between ranks" in w],
+        "dropped": [w for w in warnings if "restored to no rank" in w],
     }
 
 

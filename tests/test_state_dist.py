@@ -93,7 +93,8 @@ def test_managers_scoped_to_process_groups_run_side_by_side(tmp_path: Path) -> N
 
 def test_per_rank_state_comes_back_to_its_own_rank_and_stays_as_is_on_a_new_one(tmp_path: Path) -> None:
     """A plain tensor that every rank holds under one key is a replica (DCP saves one copy); a
-    per_rank() value is each rank's own. Restored at 4 ranks, ranks 2 and 3 have none: theirs stay."""
+    per_rank() value is each rank's own. Restored at 4 ranks, ranks 2 and 3 have none: theirs stay;
+    at 1 rank, rank 1's are restored to no rank, with a warning."""
     root, results = tmp_path / "ckpt", tmp_path / "results"
     out = run("per_rank_state", 2, root, results, phase="save")
     assert [(o["order"], o["cursor"]) for o in out] == [([10] * 4, 10), ([11] * 4, 11)]
@@ -107,3 +108,9 @@ def test_per_rank_state_comes_back_to_its_own_rank_and_stays_as_is_on_a_new_one(
         ([-1] * 4, -1)
     ] * 2
     assert all(o["step"] == 2 for o in wider)
+    assert all(o["dropped"] == [] for o in wider)
+    # Restored at 1 rank: rank 0 continues from its own, and says rank 1's are restored to no one
+    (narrower,) = run("per_rank_state", 1, root, results, phase="restore")
+    assert (narrower["order"], narrower["cursor"]) == ([10] * 4, 10)
+    (dropped,) = narrower["dropped"]
+    assert "what rank 1 held per_rank (['data'] (1))" in dropped

@@ -120,6 +120,7 @@ class LoadPlan:
         self.problems: list[str] = []
         self.damage: list[str] = []
         self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
+        self.per_rank: list[str] = []  # per_rank() values this rank loads its own saved values into
         self._actions: list[Callable[[], None]] = []
 
     def report(self) -> LoadReport:
@@ -222,6 +223,7 @@ class LoadPlan:
         if node == {"R": None}:  # this rank did not exist when it was saved: nothing of its own
             self.no_per_rank.append(display(keys) or "the state")
             return target
+        self.per_rank.append(display(keys) or "the state")
         inner = self.plan(target.value, node, keys, full)
         self._actions.append(lambda: _put_per_rank(target, inner))
         return target

@@ -218,6 +218,17 @@ def _load_checkpoint(
             plan = LoadPlan(metadata.state_dict_metadata, selection, state)
             loaded = plan.mapping(state, tree)
             _check_plan(plan, record, directory, strict=strict)
+            if plan.per_rank and parts.is_leader and record.world_size > parts.world_size:
+                gone = parts.world_size, record.world_size - 1
+                logger.warning(
+                    "safeckpt: step %d was saved by %d ranks and is restored by %d: what %s held "
+                    "per_rank (%s) is restored to no rank; each rank here continues from its own",
+                    record.step,
+                    record.world_size,
+                    parts.world_size,
+                    f"rank {gone[0]}" if gone[0] == gone[1] else f"ranks {gone[0]}-{gone[1]}",
+                    _listing(plan.per_rank),
+                )
     except Exception as e:
         error = e
     if error is None and isinstance(tree, Legacy):
