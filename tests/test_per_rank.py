@@ -119,6 +119,12 @@ def test_what_per_rank_cannot_hold_is_refused_before_anything_is_written(root: P
         mgr.save(1, {"w": torch.ones(1)})
         with pytest.raises(UnsupportedStateError, match=r"own\.fn is a builtins\.function"):
             mgr.save(2, {"own": per_rank({"fn": lambda: 0})})
+        nested = r"own\.a is .*PerRank inside per_rank\(\).*drop the inner"
+        with pytest.raises(UnsupportedStateError, match=nested):
+            mgr.save(2, {"own": per_rank({"a": per_rank(torch.ones(1))})})
+        generator = r"own\.g is a torch.*Generator \(save its get_state\(\)"
+        with pytest.raises(UnsupportedStateError, match=generator):
+            mgr.save(2, {"own": per_rank({"g": torch.Generator()})})
         assert [c.step for c in mgr.checkpoints()] == [1]
     assert json.loads((root / "step_1" / "metadata.json").read_text())["step"] == 1
 

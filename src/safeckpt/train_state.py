@@ -102,7 +102,16 @@ class _Encoder:
                 }
             if isinstance(value, numpy.generic) and value.dtype.kind in "biuf":
                 return value.item()
-        raise unsupported(value, path)
+        raise unsupported(value, path, _hint(value))
+
+
+def _hint(value: Any) -> str:
+    """What to do instead, for the values people try."""
+    if isinstance(value, torch.Generator):
+        return " (save its get_state(), a uint8 tensor, and set_state() it after restore)"
+    if type(value).__name__ == "PerRank" and type(value).__module__ == "safeckpt.state":
+        return " inside per_rank() (all of a per_rank() value is the rank's own already: drop the inner one)"
+    return ""
 
 
 def unsupported(value: Any, path: str, why: str = "") -> UnsupportedStateError:
