@@ -41,8 +41,9 @@ from .integrity import read_verified
 from .record import Record
 
 TRAIN_STATE_FORMAT = 2
-PER_RANK_FORMAT = 3  # a file with ``{"R": i}`` nodes, whose values hold tensors: safeckpt 0.1 of
-# before per_rank() reads it as damage, where a format it does not know names the version
+# A file with ``{"R": i}`` nodes (per_rank values, tensors included). The safeckpt before per_rank()
+# took those for damage; a format number it does not know makes it name another version instead.
+PER_RANK_FORMAT = 3
 READABLE_FORMATS = (1, TRAIN_STATE_FORMAT, PER_RANK_FORMAT)
 _METADATA_KEY = "safeckpt.train_state"
 RNG_KEY = "rng"
