@@ -54,6 +54,17 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def steal_seconds() -> float:
+    """Steal time of every CPU so far, in seconds: what a VM's host ran instead of this guest
+    (``/proc/stat``; 0 where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def wrap(owner: Any, name: str, label: str, spent: dict[str, float]) -> Callable[..., Any]:
     """Replace ``owner.name`` by a copy that adds its time to ``spent[label]`` (a trace's timer;
     ``spent`` a ``defaultdict(float)``); returns the copy."""

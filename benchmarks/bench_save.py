@@ -70,6 +70,7 @@ from bench_common import (
     machine,
     raw_write,
     settle,
+    steal_seconds,
 )
 from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, combined, slots, strategy_of
 from safeckpt import CheckpointManager, Retention
@@ -426,19 +427,12 @@ def bench_restore(b: Bench) -> list[Table]:
 
         return run
 
-    def unverified_restore() -> Any:
-        os.environ["SAFECKPT_VERIFY"] = "0"
-        try:
-            return mgr.restore(b.state.state)
-        finally:
-            del os.environ["SAFECKPT_VERIFY"]
-
     variants: dict[str, tuple[Path, Callable[[], Any]]] = {}
     for name, env in b.safeckpt_variants():
         table.row(name, target=1.25)
         variants[name] = (root, safeckpt_restore(env))
     table.row(UNVERIFIED, note="checksums not checked: what verification costs")
-    variants[UNVERIFIED] = (root, unverified_restore)
+    variants[UNVERIFIED] = (root, safeckpt_restore({"SAFECKPT_VERIFY": "0"}))
     variants |= {
         "torch.load": (files["torch"], lambda: torch.load(files["torch"], weights_only=True)),
         "dcp.load": (files["dcp"], lambda: dcp.load(targets, checkpoint_id=files["dcp"], no_dist=True)),
@@ -509,7 +503,7 @@ class Compute:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            process, own, stolen = _process_cpu(), time.thread_time(), _steal()
+            process, own, stolen = _process_cpu(), time.thread_time(), steal_seconds()
             steps, start = 0, time.perf_counter()
             while True:
                 torch.mm(self.a, self.b, out=self.out)
@@ -517,7 +511,7 @@ class Compute:
                 elapsed = time.perf_counter() - start
                 if not keep_going(elapsed):
                     other = _process_cpu() - process - (time.thread_time() - own)
-                    return Window(steps / elapsed, other, _steal() - stolen, elapsed)
+                    return Window(steps / elapsed, other, steal_seconds() - stolen, elapsed)
         finally:
             torch.set_num_threads(previous)
 
@@ -525,16 +519,6 @@ class Compute:
 def _process_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _steal() -> float:
-    """Steal time of every CPU, in seconds (``/proc/stat``; 0 where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def _in_thread(fn: Callable[[], Any]) -> threading.Thread:
@@ -568,7 +552,7 @@ def bench_inflation(b: Bench) -> list[Table]:
         unit="ms",
     )
     compute = Compute(b.args.matmul, b.args.compute_threads)
-    managers: dict[str, tuple[CheckpointManager, bool]] = {}
+    managers: dict[str, tuple[CheckpointManager, Mapping[str, str]]] = {}
     # Buffered writes: O_DIRECT's disk requests cost this VM's host CPU it takes from the guest
     # (the steal table); the row shows what turning it off gives the loop and costs the save.
     for name, env in [*b.safeckpt_variants(), (BUFFERED_IO, {"SAFECKPT_DIRECT_IO": "0"})]:

@@ -9,8 +9,8 @@ model and AdamW state until ``wait()`` returns; the same bytes written by one
 thread that copies each 16 MiB into an aligned buffer and then writes it with
 ``O_DIRECT`` (copy and disk never overlap); the same through
 ``safeckpt.direct_io.DirectFileWriter`` (a second thread writes one buffer
-while the next one fills, as a save does); and a buffered write of 64 MiB
-calls and an fsync (``bench_save``'s floor). For each it prints the step-time
+while the next one fills, as a save does); and ``bench_common.raw_write`` (buffered
+64 MiB writes and an fsync: ``bench_save``'s floor). For each it prints the step-time
 inflation, the steps that took more than 3x the idle median, what the
 compute thread did during them (voluntary and involuntary context switches,
 its own CPU time, from ``getrusage(RUSAGE_THREAD)``) and the host's steal time
@@ -36,16 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import GIB, build_state
+from bench_common import GIB, build_state, raw_write, steal_seconds
 from safeckpt import CheckpointManager, Retention
 from safeckpt.direct_io import BUFFER_BYTES, DirectFileWriter, copy_bytes, give_back, take_buffer
 
 _MATMUL = 512
-
-
-def _steal() -> float:
-    with open("/proc/stat") as f:
-        return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
 
 
 class Loop:
@@ -105,17 +100,6 @@ def _overlapped_direct(views: list[memoryview], path: Path) -> None:
             out.write(view)
 
 
-def _buffered(views: list[memoryview], path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for view in views:
-            for begin in range(0, len(view), 64 << 20):
-                os.write(fd, view[begin : begin + (64 << 20)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=1.0)
@@ -124,7 +108,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     state = build_state(int(args.size_gib * GIB), optimizer=True)
-    views = [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in state.flat().values()]
+    tensors = list(state.flat().values())
+    views = [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
     work = Path(tempfile.mkdtemp(prefix="trace-steps-", dir=args.dir))
     mgr = CheckpointManager(work / "root", retention=Retention(keep_last=1))
     loop = Loop()
@@ -135,12 +120,12 @@ def main() -> None:
     ) -> tuple[list[float], list[tuple[float, int, int, float]], float]:
         path = work / f"{name}-{time.time_ns()}.bin"
         thread = threading.Thread(target=write, args=(path,), daemon=True)
-        stolen = _steal()
+        stolen = steal_seconds()
         thread.start()
         out = loop.run(lambda _: thread.is_alive())
         thread.join()
         path.unlink(missing_ok=True)
-        return (*out, _steal() - stolen)
+        return (*out, steal_seconds() - stolen)
 
     def safeckpt_save(_: Path) -> None:
         mgr.wait()
@@ -149,15 +134,15 @@ def main() -> None:
         "safeckpt async save": safeckpt_save,
         "O_DIRECT, copy then write": lambda path: _sequential_direct(views, path),
         "O_DIRECT, DirectFileWriter": lambda path: _overlapped_direct(views, path),
-        "buffered + fsync": lambda path: _buffered(views, path),
+        "buffered + fsync": lambda path: raw_write(tensors, path),
     }
     mgr.save(next(steps), state.state)
     mgr.wait()
     for round_ in range(args.rounds):
         os.sync()
-        stolen = _steal()
+        stolen = steal_seconds()
         idle, _ = loop.run(lambda elapsed: elapsed < 1.5)
-        idle_steal = (_steal() - stolen) / sum(idle)
+        idle_steal = (steal_seconds() - stolen) / sum(idle)
         base = statistics.median(idle)
         print(f"round {round_ + 1}: idle step {1e3 * base:.2f} ms, steal {1e3 * idle_steal:.0f} ms/s")
         for name, write in writers.items():

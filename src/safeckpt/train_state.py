@@ -110,7 +110,9 @@ def _hint(value: Any) -> str:
     """What to do instead, for the values people try."""
     if isinstance(value, torch.Generator):
         return " (save its get_state(), a uint8 tensor, and set_state() it after restore)"
-    if type(value).__name__ == "PerRank" and type(value).__module__ == "safeckpt.state":
+    from .state import PerRank  # here, on the error path: safeckpt.state imports this module
+
+    if isinstance(value, PerRank):
         return " inside per_rank() (all of a per_rank() value is the rank's own already: drop the inner one)"
     return ""
 
