@@ -44,13 +44,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -73,6 +71,7 @@ from bench_common import (
     steal_seconds,
 )
 from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, combined, slots, strategy_of
+from bench_peers import AsyncRunner, DcpAsync, LightningAsync, lightning_available
 from safeckpt import CheckpointManager, Retention
 from safeckpt.atomic import swap_pointer
 from safeckpt.fileops import DEFAULT_FILE_OPS
@@ -155,14 +154,6 @@ def remove(path: Path) -> None:
 # --- async: blocking and durable ---------------------------------------------------------
 
 
-class AsyncRunner(Protocol):
-    def run(self) -> tuple[float, float]:
-        """One save: (seconds until the call returned, seconds until durable)."""
-        ...
-
-    def close(self) -> None: ...
-
-
 class SafeckptAsync:
     def __init__(self, b: Bench, env: Mapping[str, str]) -> None:
         self.b, self.env = b, env
@@ -181,85 +172,6 @@ class SafeckptAsync:
 
     def close(self) -> None:
         self.mgr.close()
-
-
-class DcpAsync:
-    """``dcp.async_save`` staging through one reused ``DefaultStager`` (it caches host storages).
-
-    Pinned and shared memory are off: pinning needs an accelerator, and on one
-    they would make the copy faster for safeckpt too.
-    """
-
-    def __init__(self, b: Bench, directory: str = "dcp-async") -> None:
-        self.b, self.directory = b, directory
-        self.writer = FileSystemWriter(b.fresh(directory))
-        self.stager = DefaultStager(StagingOptions(False, False, False, False))
-        self.current: Path | None = None
-
-    def start(self) -> Any:
-        """Stage and start the upload; the future of the upload (pass it to :meth:`finish`)."""
-        self.current = self.b.fresh(self.directory)
-        response: Any = dcp.async_save(
-            self.b.flat,
-            checkpoint_id=self.current,
-            storage_writer=self.writer,
-            async_stager=self.stager,
-            no_dist=True,
-        )
-        return getattr(response, "upload_completion", response)
-
-    def finish(self, future: Any) -> None:
-        """Wait for the upload; the checkpoint is deleted at the next purge (outside any timing)."""
-        future.result()
-        self.b.scratch.discard(self.current)
-
-    def run(self) -> tuple[float, float]:
-        start = time.perf_counter()
-        future = self.start()
-        returned = time.perf_counter()
-        future.result()
-        durable = time.perf_counter() - start
-        self.finish(future)
-        return returned - start, durable
-
-    def close(self) -> None:
-        self.stager.close()
-
-
-class LightningAsync:
-    """Lightning's ``AsyncCheckpointIO`` around ``TorchCheckpointIO`` (plus an fsync it lacks)."""
-
-    def __init__(self, b: Bench) -> None:
-        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
-        class FsyncTorchCheckpointIO(TorchCheckpointIO):
-            def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, options: Any = None) -> None:
-                super().save_checkpoint(checkpoint, path, options)
-                fsync_path(Path(path))
-
-        self.b = b
-        self.io = AsyncCheckpointIO(FsyncTorchCheckpointIO())
-
-    def run(self) -> tuple[float, float]:
-        path = self.b.fresh("lightning.ckpt")  # torch.save over an existing file would truncate it
-        start = time.perf_counter()
-        self.io.save_checkpoint(self.b.flat, path)
-        returned = time.perf_counter()
-        self.io.teardown()  # waits for the write (the only public way to)
-        done = time.perf_counter() - start
-        self.b.scratch.discard(path)
-        return returned - start, done
-
-    def close(self) -> None:
-        self.io.teardown()
-
-
-def lightning_available() -> bool:
-    try:
-        import lightning.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def bench_async(b: Bench) -> list[Table]:
@@ -282,9 +194,9 @@ def bench_async(b: Bench) -> list[Table]:
         blocking.row(name, target=1.3)
         durable.row(name, target=1.3)  # issue 15: at most 1.3x (memcpy + write)
         runners[name] = SafeckptAsync(b, env)
-    runners["dcp.async_save"] = DcpAsync(b)
+    runners["dcp.async_save"] = DcpAsync(b.scratch, lambda: b.flat)
     if lightning_available():
-        runners["Lightning AsyncCheckpointIO"] = LightningAsync(b)
+        runners["Lightning AsyncCheckpointIO"] = LightningAsync(b.scratch, lambda: b.flat)
     else:
         blocking.notes.append("Lightning is not installed (`pip install -c constraints/ci.txt lightning`).")
     for runner in runners.values():
@@ -559,7 +471,7 @@ def bench_inflation(b: Bench) -> list[Table]:
         table.row(name, target=None if name == BUFFERED_IO else 1.05)
         mgr = CheckpointManager(b.fresh("inflation-root"), retention=Retention(keep_last=1))
         managers[name] = (mgr, env)
-    dcp_async = DcpAsync(b, "inflation-dcp")
+    dcp_async = DcpAsync(b.scratch, lambda: b.flat, "inflation-dcp")
     steps = iter(range(1, 1 << 30))
 
     def safeckpt_save(name: str) -> Callable[[], Window]:

@@ -57,6 +57,9 @@ class Row:
     limit_times: dict[str, list[float]] = field(default_factory=dict)
     """The row's own limit strategies (rows of one table measuring different bytes), else empty."""
     fastest: str = ""
+    group: str = ""
+    """Where the rows of one table measure different states: the state this row measured. Its
+    "vs best peer" is against the fastest peer of its own group."""
 
     @property
     def kind(self) -> str:
@@ -110,12 +113,14 @@ class Table:
     fastest: str = ""
     """The strategy with the lowest median time (set by :meth:`resolve`)."""
 
-    def row(self, name: str, *, target: float | None = None, note: str = "", role: str = "") -> Row:
-        """The row called ``name``, created (with ``target``, ``role``) on first use."""
+    def row(
+        self, name: str, *, target: float | None = None, note: str = "", role: str = "", group: str = ""
+    ) -> Row:
+        """The row called ``name``, created (with ``target``, ``role``, ``group``) on first use."""
         for row in self.rows:
             if row.name == name:
                 return row
-        row = Row(name, target=target, note=note, role=role)
+        row = Row(name, target=target, note=note, role=role, group=group)
         self.rows.append(row)
         return row
 
@@ -171,14 +176,20 @@ class Table:
         row.values.append(value)
         row.seconds.append(seconds)
 
-    def best_peer(self) -> Row | None:
-        """The peer with the lowest median time in this run (None: the table has no peer)."""
-        peers = [r for r in self.rows if r.kind == PEER and not math.isnan(r.median_seconds)]
+    def best_peer(self, group: str = "") -> Row | None:
+        """The peer of ``group`` with the lowest median time in this run (None: the group has none)."""
+        peers = [
+            r for r in self.rows if r.kind == PEER and r.group == group and not math.isnan(r.median_seconds)
+        ]
         return min(peers, key=lambda r: r.median_seconds) if peers else None
 
+    def groups(self) -> list[str]:
+        return list(dict.fromkeys(r.group for r in self.rows))
+
     def vs_best_peer(self, row: Row) -> float:
-        """Median over repetitions of ``row``'s time / the best peer's time in the same repetition."""
-        best = self.best_peer()
+        """Median over repetitions of ``row``'s time / the best peer's time (of its group) in the
+        same repetition."""
+        best = self.best_peer(row.group)
         if best is None or row is best:
             return math.nan
         pairs = [
@@ -259,16 +270,26 @@ def _caption(runs: Sequence[Table]) -> list[str]:
         ]
     else:
         lines = [f"One run of {repetitions}; spread: the lowest and highest repetition."]
-    best = [b.name if (b := t.best_peer()) else "" for t in runs]
-    if any(best):
+    groups = runs[0].groups()
+    best = {g: [b.name if (b := t.best_peer(g)) else "" for t in runs] for g in groups}
+    if any(any(names) for names in best.values()):
+        if groups == [""]:
+            fastest = ", ".join(best[""])
+        else:  # the peers of each state are named after it already
+            fastest = "; ".join(", ".join(names) for names in best.values() if any(names))
         lines.append(
             "vs best peer: the row's time / the fastest peer's time in the same repetition, median over "
-            f"repetitions (fastest peer, by median time, in each run: {', '.join(best)})."
+            f"repetitions (fastest peer, by median time, in each run: {fastest})."
         )
     lines += [f"**{b}**: the limit is not a limit; the benchmark fails." for b in beaten(runs)]
     own = []
     for name in _names(runs):
-        chosen = [r.fastest for t in runs if (r := t.find(name)) is not None and r.limit_times]
+        # A peer of a group is measured against its group's limit, which the group's own row names.
+        chosen = [
+            r.fastest
+            for t in runs
+            if (r := t.find(name)) is not None and r.limit_times and not (r.group and r.kind == PEER)
+        ]
         if chosen:
             picks = ", ".join(f"{k} in {chosen.count(k)} of {len(chosen)}" for k in dict.fromkeys(chosen))
             own.append(f"{name}: {picks}")

@@ -204,6 +204,24 @@ def test_vs_best_peer_pairs_each_repetition_with_the_fastest_peer() -> None:
     assert "| 0.38x |" in render([t])
 
 
+def test_rows_of_different_states_are_compared_with_the_peers_of_their_own_state() -> None:
+    t = Table("k", "T", "time")
+    for name, group, seconds in [
+        ("safeckpt, big", "big", 2.0),
+        ("big: torch.load", "big", 4.0),
+        ("safeckpt, small", "small", 1.0),
+        ("small: torch.load", "small", 0.5),
+    ]:
+        t.row(name, role="ours" if name.startswith("safeckpt") else "peer", group=group)
+        t.add_ratio(name, seconds, 1.0)
+    assert t.vs_best_peer(t.find("safeckpt, big")) == pytest.approx(0.5)  # not against small's 0.5 s
+    assert t.vs_best_peer(t.find("safeckpt, small")) == pytest.approx(2.0)
+    assert t.best_peer() is None  # no peer outside a group
+    text = render([t])
+    assert "| safeckpt, big |" in text and "| 0.50x |" in text and "| 2.00x |" in text
+    assert "in each run: big: torch.load; small: torch.load)" in text
+
+
 def test_a_peer_below_a_bound_limit_is_reported() -> None:
     assert beaten([table([1.0], [0.9], bound=False)]) == []
     assert beaten([table([0.5], [1.0], bound=True)]) == []  # ours below the limit is not a peer
