@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import safeckpt
 from safeckpt import CheckpointManager
 from safeckpt.cli import main
 
@@ -87,6 +88,25 @@ def test_inspect_json_of_what_resume_would_take(ckpt: Path) -> None:
     }
     assert entries["optim"]["optimizer"]["param_groups"][0]["lr"] == 1e-3
     assert "torch" in data["train_state"]["train_state.rank0.safetensors"]["rng"]
+
+
+def test_inspect_shows_tuples_int_keys_and_dtypes_as_plain_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = {
+        "shape": (3, 4),
+        "by_epoch": {1: "a", 2: ("b", 3)},
+        "dtype": torch.bfloat16,
+        "mine": safeckpt.per_rank({"pos": (5, torch.zeros(2, dtype=torch.int64))}),
+    }
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, state)
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["train_state"]["train_state.rank0.safetensors"]["entries"]
+    assert entries["shape"] == [3, 4]
+    assert entries["by_epoch"] == {"1": "a", "2": ["b", 3]}
+    assert entries["dtype"] == "torch.bfloat16"
+    assert entries["mine"] == {"per_rank": {"pos": [5, {"__tensor__": {"dtype": "I64", "shape": [2]}}]}}
 
 
 def test_inspect_a_given_step_or_directory(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:

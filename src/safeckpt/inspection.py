@@ -153,7 +153,8 @@ def train_state_summary(checkpoint_dir: Path) -> dict[str, Any]:
     ``entries`` is the state's structure with its plain values: a tensor (stored by DCP)
     appears as ``{"__tensor__": fqn}``, a module as ``{"module": ...}``, an optimizer as
     ``{"optimizer": ...}``, a ``Stateful`` as ``{"stateful": ...}``, a ``per_rank`` value as
-    ``{"per_rank": ...}`` (its tensors as dtype and shape), tuples as lists. The
+    ``{"per_rank": ...}`` (its tensors as dtype and shape), tuples as lists, int keys as strings,
+    dtypes as their names. The
     RNG state is summarised by the generators it holds.
     """
     out = {}
@@ -224,13 +225,25 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def _describe_tensors(value: Any, header: dict[str, Any]) -> Any:
+    """A plain value as JSON shows it: tuples as lists, dicts with int (or ``__``) keys as dicts with
+    string keys, dtypes and devices as their names, a tensor (``per_rank``) as its dtype and shape."""
     if isinstance(value, list):
         return [_describe_tensors(v, header) for v in value]
     if not isinstance(value, dict):
         return value
-    if len(value) == 1 and "__tensor__" in value and isinstance(value["__tensor__"], str):
-        info = header.get(value["__tensor__"], {})
-        return {"__tensor__": {"dtype": info.get("dtype"), "shape": info.get("shape")}}
+    if len(value) == 1:
+        ((tag, body),) = value.items()
+        if tag == "__tensor__" and isinstance(body, str):
+            info = header.get(body, {})
+            return {"__tensor__": {"dtype": info.get("dtype"), "shape": info.get("shape")}}
+        if tag == "__tuple__" and isinstance(body, list):
+            return [_describe_tensors(v, header) for v in body]
+        if tag == "__dict__" and isinstance(body, list):
+            return {str(k): _describe_tensors(v, header) for k, v in body}
+        if tag == "__dtype__" and isinstance(body, str):
+            return f"torch.{body}"
+        if tag == "__device__" and isinstance(body, str):
+            return body
     return {k: _describe_tensors(v, header) for k, v in value.items()}
 
 
