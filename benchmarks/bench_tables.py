@@ -259,6 +259,11 @@ def beaten(runs: Sequence[Table]) -> list[str]:
     return out
 
 
+def _counted(names: Sequence[str]) -> str:
+    """'a in 2 of 3, b in 1 of 3': how often each name came out of the runs, in first-seen order."""
+    return ", ".join(f"{k} in {names.count(k)} of {len(names)}" for k in dict.fromkeys(names))
+
+
 def _caption(runs: Sequence[Table]) -> list[str]:
     n = len(runs)
     reps = max((len(r.values) for t in runs for r in t.rows), default=0)
@@ -273,13 +278,15 @@ def _caption(runs: Sequence[Table]) -> list[str]:
     groups = runs[0].groups()
     best = {g: [b.name if (b := t.best_peer(g)) else "" for t in runs] for g in groups}
     if any(any(names) for names in best.values()):
-        if groups == [""]:
-            fastest = ", ".join(best[""])
-        else:  # the peers of each state are named after it already
-            fastest = "; ".join(", ".join(names) for names in best.values() if any(names))
+        # A group's peers are named "<group>: <peer>"; the group is said once, before its count.
+        fastest = "; ".join(
+            (f"{g}: " if g else "") + _counted([n.removeprefix(f"{g}: ") for n in names if n])
+            for g, names in best.items()
+            if any(names)
+        )
         lines.append(
             "vs best peer: the row's time / the fastest peer's time in the same repetition, median over "
-            f"repetitions (fastest peer, by median time, in each run: {fastest})."
+            f"repetitions (fastest peer, by median time: {fastest})."
         )
     lines += [f"**{b}**: the limit is not a limit; the benchmark fails." for b in beaten(runs)]
     own = []
@@ -291,8 +298,7 @@ def _caption(runs: Sequence[Table]) -> list[str]:
             if (r := t.find(name)) is not None and r.limit_times and not (r.group and r.kind == PEER)
         ]
         if chosen:
-            picks = ", ".join(f"{k} in {chosen.count(k)} of {len(chosen)}" for k in dict.fromkeys(chosen))
-            own.append(f"{name}: {picks}")
+            own.append(f"{name}: {_counted(chosen)}")
     if own:
         lines.append(
             "Each row has its own limit (the same strategies over its own bytes); the fastest: "

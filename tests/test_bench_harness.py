@@ -219,7 +219,7 @@ def test_rows_of_different_states_are_compared_with_the_peers_of_their_own_state
     assert t.best_peer() is None  # no peer outside a group
     text = render([t])
     assert "| safeckpt, big |" in text and "| 0.50x |" in text and "| 2.00x |" in text
-    assert "in each run: big: torch.load; small: torch.load)" in text
+    assert "(fastest peer, by median time: big: torch.load in 1 of 1; small: torch.load in 1 of 1)" in text
 
 
 def test_a_peer_below_a_bound_limit_is_reported() -> None:
