@@ -219,6 +219,39 @@ def test_a_stateful_gets_the_saved_subtree_it_lacks(root: Path) -> None:
 # --- without a template ------------------------------------------------------------------------------
 
 
+def test_a_load_state_dict_that_raises_is_named_and_said_to_leave_the_state_partly_loaded(root: Path) -> None:
+    class Scheduler:
+        def __init__(self, refuse: bool) -> None:
+            self.refuse = refuse
+            self.last_epoch = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"last_epoch": self.last_epoch}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            if self.refuse:
+                raise ValueError("this scheduler was built for another optimizer")
+            self.last_epoch = state["last_epoch"]
+
+    saved = Scheduler(refuse=False)
+    saved.last_epoch = 5
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"weights": torch.ones(3), "sched": saved})
+        mgr.save(2, {"weights": torch.full((3,), 2.0), "sched": saved})
+    weights = torch.zeros(3)
+    with CheckpointManager(root) as mgr, pytest.raises(UnsupportedStateError) as info:
+        mgr.restore({"weights": weights, "sched": Scheduler(refuse=True)})
+    message = str(info.value)
+    assert "step 2" in message and "loading sched raised ValueError: this scheduler" in message
+    assert "the state now holds part of this checkpoint" in message and "build it anew" in message
+    assert isinstance(info.value.__cause__, ValueError) and info.value.step == 2
+    assert torch.equal(weights, torch.full((3,), 2.0))  # what the message says: filled, no fallback to step 1
+    with CheckpointManager(root) as mgr:  # nothing saved was touched: the same step restores
+        fine = Scheduler(refuse=False)
+        assert mgr.restore({"weights": torch.zeros(3), "sched": fine}).step == 2
+    assert fine.last_epoch == 5
+
+
 def test_load_without_a_template_on_a_root_a_step_and_a_step_dir(root: Path) -> None:
     with CheckpointManager(root, save_rng=False) as mgr:
         mgr.save(1, {"m": {0: (torch.ones(2, dtype=torch.bfloat16), "a")}})

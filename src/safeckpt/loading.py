@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import dcp_io
 from .collector import collector_paused
-from .errors import IncompleteCheckpointError
+from .errors import IncompleteCheckpointError, UnsupportedStateError
 from .state import PerRank, display, is_stateful, module_for, nest_for_dcp
 from .train_state import Legacy, read_tree
 
@@ -121,7 +121,7 @@ class LoadPlan:
         self.damage: list[str] = []
         self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
         self.per_rank: list[str] = []  # per_rank() values this rank loads its own saved values into
-        self._actions: list[Callable[[], None]] = []
+        self._actions: list[tuple[str, Callable[[], None]]] = []  # (the value's path, what loads it)
 
     def report(self) -> LoadReport:
         return LoadReport(tuple(self.missing), tuple(self.unexpected))
@@ -175,12 +175,31 @@ class LoadPlan:
         """Plan the whole state (the top-level tree node)."""
         return self.plan(target, tree, ())
 
-    def apply(self, state: Any, loaded: Any) -> Any:
-        """Put everything in place (after DCP filled :attr:`dcp`). Returns the new top-level value."""
+    def apply(self, state: Any, loaded: Any, *, step: int, path: str) -> Any:
+        """Put everything in place (after DCP filled :attr:`dcp`). Returns the new top-level value.
+
+        A value that refuses what it saved (its own ``load_state_dict`` raises) is an
+        :class:`UnsupportedStateError` naming it, which says the state is partly loaded: DCP
+        has filled the state's tensors in place by then, and nothing can take that back.
+        """
         result = _apply(state, loaded)
-        for action in self._actions:
-            action()
+        for where, action in self._actions:
+            try:
+                action()
+            except Exception as e:
+                raise UnsupportedStateError(
+                    f"step {step} in {path}: loading {where} raised {type(e).__name__}: {e}. The state's "
+                    "tensors were filled in place already, so the state now holds part of this checkpoint: "
+                    f"build it anew before training on it, or make {where} take what it saved and restore "
+                    "again.",
+                    step=step,
+                    path=path,
+                ) from e
         return result
+
+    def _later(self, keys: tuple[Any, ...], action: Callable[[], None]) -> None:
+        """``action`` loads the value at ``keys`` once DCP has read (in :meth:`apply`, in order)."""
+        self._actions.append((display(keys) or "the state", action))
 
     # --- by kind of target ----------------------------------------------------------
 
@@ -198,7 +217,7 @@ class LoadPlan:
             return module
         template = get_model_state_dict(module)
         loaded = self.plan(template, node, keys)
-        self._actions.append(lambda: set_model_state_dict(module, _apply(template, loaded)))
+        self._later(keys, lambda: set_model_state_dict(module, _apply(template, loaded)))
         return module
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, node: Any, keys: tuple[Any, ...]) -> Any:
@@ -207,7 +226,7 @@ class LoadPlan:
             return optimizer
         template = get_optimizer_state_dict(module, optimizer)
         loaded = self.plan(template, node, keys)
-        self._actions.append(lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded)))
+        self._later(keys, lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded)))
         return optimizer
 
     def _stateful(self, obj: Any, node: Any, keys: tuple[Any, ...]) -> Any:
@@ -215,7 +234,7 @@ class LoadPlan:
         # (a fresh optimizer has no moments yet, and gets the saved ones).
         template = obj.state_dict()
         loaded = self.plan(template, node, keys, full=True)
-        self._actions.append(lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded))))
+        self._later(keys, lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded))))
         return obj
 
     def _per_rank(self, target: PerRank, node: Any, keys: tuple[Any, ...], full: bool) -> Any:
@@ -225,7 +244,7 @@ class LoadPlan:
             return target
         self.per_rank.append(display(keys) or "the state")
         inner = self.plan(target.value, node, keys, full)
-        self._actions.append(lambda: _put_per_rank(target, inner))
+        self._later(keys, lambda: _put_per_rank(target, inner))
         return target
 
     def _saved_tensor(self, target: Any, saved: torch.Tensor, keys: tuple[Any, ...], full: bool) -> Any:
@@ -233,7 +252,7 @@ class LoadPlan:
         has the same shape and dtype, else it takes the target's place."""
         if isinstance(target, torch.Tensor):
             if target.shape == saved.shape and target.dtype == saved.dtype:
-                self._actions.append(lambda: _copy_into(target, saved))
+                self._later(keys, lambda: _copy_into(target, saved))
                 return target
             if not full:
                 self.problems.append(
@@ -466,4 +485,4 @@ def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = N
         )
     if plan.dcp:
         dcp_io.load(nest_for_dcp(plan.dcp), directory, None)
-    return plan.apply(ABSENT, loaded)
+    return plan.apply(ABSENT, loaded, step=record.step, path=str(directory))
