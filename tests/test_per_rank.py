@@ -144,6 +144,15 @@ def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> No
     assert diverging([rank0, rank1]) == {"b": [0, 1], "w": [0, 1]}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a sync save's live GPU tensors")
+def test_cuda_tensors_are_fingerprinted_as_their_host_copies() -> None:
+    from safeckpt.replicas import SMALL_BYTES, fingerprints
+
+    host = {"small": torch.arange(4.0), "big": torch.randn(256, SMALL_BYTES // 4)}
+    on_gpu = {k: v.cuda() for k, v in host.items()}
+    assert fingerprints(on_gpu) == fingerprints(host) and set(fingerprints(on_gpu)) == {"small", "big"}
+
+
 def test_a_rank_with_many_tensors_checks_a_share_per_save_and_every_key_within_a_few(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

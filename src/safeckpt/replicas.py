@@ -35,15 +35,17 @@ SMALL_BYTES = 64 << 10  # plain tensors up to this size are fingerprinted whole
 BLOCKS = 64  # evenly spaced cache lines of a larger one that its fingerprint covers
 _LINE = 64
 MOST = 4096  # about as many tensors fingerprinted per save, at most: what rank 0 gathers stays small
+# A sync save hands over the live (maybe CUDA) tensors; only the sampled bytes come to the host.
+_DEVICES = ("cpu", "cuda")
 
 
 def fingerprints(dcp_state: Mapping[str, torch.Tensor], step: int = 0) -> dict[str, int]:
-    """``fqn -> CRC32`` of the plain CPU tensors of one rank's DCP state (a sample of the large
-    ones); of this ``step``'s share of them where there are more than :data:`MOST`."""
+    """``fqn -> CRC32`` of the plain CPU and CUDA tensors of one rank's DCP state (a sample of the
+    large ones); of this ``step``'s share of them where there are more than :data:`MOST`."""
     plain = [
         (fqn, tensor)
         for fqn, tensor in dcp_state.items()
-        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type in _DEVICES
     ]
     share = 1
     while len(plain) > MOST * share:
@@ -79,7 +81,7 @@ def _fingerprint(tensor: torch.Tensor) -> int | None:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def diverging(per_rank: Sequence[Mapping[str, int]]) -> dict[str, list[int]]:
