@@ -25,6 +25,7 @@ from safeckpt import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
+    UnsupportedStateError,
     dcp_io,
     read_record,
 )
@@ -127,6 +128,56 @@ def test_corruption_names_the_file_the_offset_and_the_step(root: Path) -> None:
     error = info.value
     assert error.path == str(shard) and error.step == 2 and isinstance(error.offset, int)
     assert str(error.offset) in str(error) and "Restore another checkpoint" in str(error)
+
+
+def _damaged_newest(root: Path) -> dict[str, torch.Tensor]:
+    """Step 1 of ``w``; step 2 adds a large ``new`` (read straight into its place), with a byte of
+    it flipped. A state to restore into, at its initial values."""
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.full((4,), 2.0), "new": torch.full((1 << 20,), 3.0)})
+    _flip(root / "step_2" / "__0_0.distcp")  # the middle of the shard: inside new's bytes
+    return {"w": torch.zeros(4), "new": torch.zeros(1 << 20)}
+
+
+def test_a_fallback_names_what_the_damaged_step_filled_that_the_older_one_lacks(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = _damaged_newest(root)
+    with CheckpointManager(root) as mgr:
+        restored = mgr.restore(state, strict=False)
+    assert restored.step == 1 and restored.missing == ("new",)
+    assert torch.equal(state["w"], torch.ones(4))
+    assert not torch.equal(state["new"], torch.zeros(1 << 20))  # what the warning is about
+    warned = [r.getMessage() for r in caplog.records if "damaged step 2" in r.getMessage()]
+    assert warned and "'new'" in warned[0] and "Set them anew" in warned[0]
+
+
+def test_no_fresh_start_from_a_state_a_damaged_checkpoint_filled_in_part(root: Path) -> None:
+    state = _damaged_newest(root)
+    shutil.rmtree(root / "step_1")  # nothing older to fall back to
+    with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError) as info:
+        mgr.restore(state)
+    assert "holds part of a damaged checkpoint" in str(info.value) and "step(s) 2" in str(info.value)
+    assert info.value.step == 2 and (root / "step_2").is_dir()  # nothing saved is removed
+    with CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore(state, step=2)  # an explicit step keeps raising what it found
+    # damage found before anything of the state changes (the train-state file) is a fresh start
+    fresh_root = root.parent / "other"
+    with CheckpointManager(fresh_root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4), "epoch": 3})
+    _flip(fresh_root / "step_1" / "train_state.rank0.safetensors")
+    untouched = {"w": torch.zeros(4), "epoch": 0}
+    with CheckpointManager(fresh_root) as mgr:
+        assert mgr.restore(untouched).step is None
+    assert torch.equal(untouched["w"], torch.zeros(4)) and untouched["epoch"] == 0
+
+
+def test_a_later_error_after_a_partly_filled_state_says_so(root: Path) -> None:
+    state = _damaged_newest(root)
+    with CheckpointManager(root) as mgr, pytest.raises(UnsupportedStateError) as info:
+        mgr.restore(state)  # strict: step 1 lacks "new"
+    assert any("step 2 filled part of it in place" in note for note in info.value.__notes__)
 
 
 def test_plain_dcp_load_still_reads_a_checkpoint(root: Path) -> None:

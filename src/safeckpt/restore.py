@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, MutableMapping
+from collections.abc import Callable, Collection, Iterable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,7 @@ def load_checkpoint(
     with_rng: bool,
     include: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
+    filling: Callable[[], None] = lambda: None,
 ) -> LoadReport:
     """Load ``directory`` into ``state`` in place; what was left alone. Collective over ``parts.control``.
 
@@ -168,7 +169,9 @@ def load_checkpoint(
     reported and logged. ``include``/``exclude``: dotted paths to load only
     (``["model"]``) or to leave out (``["optim"]``); RNG states are restored
     only when neither is given. Raises :class:`UnsupportedStateError` for a
-    value that cannot be loaded into what ``state`` holds.
+    value that cannot be loaded into what ``state`` holds. ``filling`` is
+    called once the state starts to change: an error after it (damaged bytes
+    found while reading) leaves part of the state filled.
     """
     done_reading = prefetch(directory, parts.rank)  # the disk works while this plans
     try:
@@ -181,6 +184,7 @@ def load_checkpoint(
             with_rng=with_rng,
             include=include,
             exclude=exclude,
+            filling=filling,
         )
     finally:
         done_reading()
@@ -196,6 +200,7 @@ def _load_checkpoint(
     with_rng: bool,
     include: Iterable[str] | None,
     exclude: Iterable[str] | None,
+    filling: Callable[[], None],
 ) -> LoadReport:
     selection = Selection(include, exclude)
     error: BaseException | None = None
@@ -232,6 +237,7 @@ def _load_checkpoint(
     except Exception as e:
         error = e
     if error is None and isinstance(tree, Legacy):
+        filling()
         missing = load_legacy(
             state, directory, record, parts, tree.entries, strict=strict, wanted=selection.wanted
         )
@@ -240,6 +246,7 @@ def _load_checkpoint(
         return LoadReport(missing=missing)
     parts.agree(error, parts.control, what=f"matching step {record.step} against the state", step=record.step)
     assert plan is not None
+    filling()
     if plan.dcp or parts.distributed:  # collective: every rank takes part, even with nothing to read
         try:
             dcp_io.load(nest_for_dcp(plan.dcp), directory, parts.control)
@@ -249,7 +256,7 @@ def _load_checkpoint(
                 step=record.step,
                 path=str(directory),
             ) from e
-    plan.apply(state, loaded)
+    plan.apply(state, loaded, step=record.step, path=str(directory))
     if with_rng and selection.everything and rng is not None:
         restore_rng(rng)
     return plan.report()

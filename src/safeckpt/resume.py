@@ -7,6 +7,7 @@ on every rank together; an explicit step raises the same error on every rank.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, MutableMapping, Sequence
@@ -19,6 +20,7 @@ from .arguments import validate_or_none
 from .collector import collector_paused
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
+from .errors import CheckpointError, IncompleteCheckpointError
 from .layout import Layout
 from .loading import load as load_state
 from .record import Record
@@ -71,45 +73,67 @@ class ResumePath:
         parts = self._parts
         auto = step is None and path is None
         excluded: set[int] = set()
-        while True:
-            choice = self._choose(validate_or_none(step), path, excluded)
-            if choice is None:
-                logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
-                return Restored()
-            directory, record = choice
-            what = f"restore of step {record.step}"
-            # Each rank checks its own files first, so one rank's damaged file is the same error on
-            # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
-            own = _attempt(check_own_files, directory, record, parts.rank)
-            if self._skip_or_raise(own, what, record, auto):
-                excluded.add(record.step)
-                continue
-            report: Any = None
-            load_error: BaseException | None = None
-            try:
-                report = load_checkpoint(
-                    state,
-                    directory,
-                    record,
-                    parts,
-                    strict=strict,
-                    with_rng=self.save_rng,
-                    include=include,
-                    exclude=exclude,
+        filled: list[int] = []  # steps that failed while being read, after filling part of the state
+        try:
+            while True:
+                choice = self._choose(validate_or_none(step), path, excluded)
+                if choice is None:
+                    if filled:  # not a fresh start: the state holds part of a damaged checkpoint
+                        raise _partly_filled(self.root, filled)
+                    logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
+                    return Restored()
+                directory, record = choice
+                what = f"restore of step {record.step}"
+                # Each rank checks its own files first, so one rank's damaged file is the same error on
+                # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+                own = _attempt(check_own_files, directory, record, parts.rank)
+                if self._skip_or_raise(own, what, record, auto):
+                    excluded.add(record.step)
+                    continue
+                report: Any = None
+                load_error: BaseException | None = None
+                began: list[bool] = []  # the state started to change (load_checkpoint's filling)
+                try:
+                    report = load_checkpoint(
+                        state,
+                        directory,
+                        record,
+                        parts,
+                        strict=strict,
+                        with_rng=self.save_rng,
+                        include=include,
+                        exclude=exclude,
+                        filling=functools.partial(began.append, True),
+                    )
+                except _WRITE_ERRORS as e:
+                    load_error = e
+                if self._skip_or_raise(load_error, what, record, auto):
+                    excluded.add(record.step)
+                    if began:
+                        filled.append(record.step)
+                    continue
+                self._conclude(None, what=what, step=record.step)
+                logger.info("safeckpt: restored step %d from %s", record.step, directory)
+                missing = tuple(getattr(report, "missing", ()))
+                if filled and missing:
+                    logger.warning(
+                        "safeckpt: restored step %d, which lacks %s; these were filled in place from the "
+                        "damaged step %d before its damage was found, and may hold its damaged bytes. Set "
+                        "them anew before training on them.",
+                        record.step,
+                        ", ".join(repr(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else ""),
+                        filled[0],
+                    )
+                return Restored.from_record(
+                    record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
                 )
-            except _WRITE_ERRORS as e:
-                load_error = e
-            if self._skip_or_raise(load_error, what, record, auto):
-                excluded.add(record.step)
-                continue
-            self._conclude(None, what=what, step=record.step)
-            logger.info("safeckpt: restored step %d from %s", record.step, directory)
-            return Restored.from_record(
-                record,
-                directory,
-                missing=tuple(getattr(report, "missing", ())),
-                unexpected=tuple(getattr(report, "unexpected", ())),
-            )
+        except CheckpointError as e:
+            if filled and e.step not in filled:  # (_partly_filled's own message says so already)
+                e.add_note(
+                    f"safeckpt: the state is not as it was: step {filled[0]} filled part of it in place "
+                    "before its damage was found. Build it anew before training on it."
+                )
+            raise
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
@@ -161,6 +185,18 @@ class ResumePath:
             assert error is not None
             raise error
         raise agreed_error(failed, what=what, step=record.step)
+
+
+def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(
+        f"no checkpoint in {root} can be loaded: step(s) {', '.join(map(str, steps))} failed while "
+        "being read (the warnings above say why), after filling part of the state in place, and no "
+        "older commit loads. The state is not fresh: it holds part of a damaged checkpoint. Build it "
+        "anew; to start from step 0, move the damaged step directories out of the root "
+        "(`safeckpt verify` lists them).",
+        path=str(root),
+        step=steps[0],
+    )
 
 
 def _attempt(fn: Any, *args: Any) -> BaseException | None:
