@@ -216,9 +216,6 @@ def test_a_stateful_gets_the_saved_subtree_it_lacks(root: Path) -> None:
     assert same(fresh.state, {"pos": 7, "buffer": torch.arange(3), "order": [2, 0, 1]})
 
 
-# --- without a template ------------------------------------------------------------------------------
-
-
 def test_a_load_state_dict_that_raises_is_named_and_said_to_leave_the_state_partly_loaded(root: Path) -> None:
     class Scheduler:
         def __init__(self, refuse: bool) -> None:
@@ -250,6 +247,9 @@ def test_a_load_state_dict_that_raises_is_named_and_said_to_leave_the_state_part
         fine = Scheduler(refuse=False)
         assert mgr.restore({"weights": torch.zeros(3), "sched": fine}).step == 2
     assert fine.last_epoch == 5
+
+
+# --- without a template ------------------------------------------------------------------------------
 
 
 def test_load_without_a_template_on_a_root_a_step_and_a_step_dir(root: Path) -> None:

@@ -158,7 +158,7 @@ def load_checkpoint(
     with_rng: bool,
     include: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
-    filling: Callable[[], None] = lambda: None,
+    filling: Callable[[], None],
 ) -> LoadReport:
     """Load ``directory`` into ``state`` in place; what was left alone. Collective over ``parts.control``.
 

@@ -20,7 +20,7 @@ from .arguments import validate_or_none
 from .collector import collector_paused
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
-from .errors import CheckpointError, IncompleteCheckpointError
+from .errors import IncompleteCheckpointError
 from .layout import Layout
 from .loading import load as load_state
 from .record import Record
@@ -79,7 +79,7 @@ class ResumePath:
                 choice = self._choose(validate_or_none(step), path, excluded)
                 if choice is None:
                     if filled:  # not a fresh start: the state holds part of a damaged checkpoint
-                        raise _partly_filled(self.root, filled)
+                        break
                     logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
                     return Restored()
                 directory, record = choice
@@ -127,13 +127,14 @@ class ResumePath:
                 return Restored.from_record(
                     record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
                 )
-        except CheckpointError as e:
-            if filled and e.step not in filled:  # (_partly_filled's own message says so already)
+        except Exception as e:  # a later attempt's error, or a refusal to fall back
+            if filled:
                 e.add_note(
                     f"safeckpt: the state is not as it was: step {filled[0]} filled part of it in place "
                     "before its damage was found. Build it anew before training on it."
                 )
             raise
+        raise _partly_filled(self.root, filled)
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
