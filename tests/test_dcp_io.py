@@ -353,6 +353,50 @@ def test_anything_but_whole_plain_tensors_is_planned_by_dcp(
     assert asked == [] and loaded["w"].abs().sum() > 0  # planned here, loaded right
 
 
+def test_a_restore_in_one_process_reads_whole_tensors_without_dcp_load(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, model, optim = saved_checkpoint(root)
+    calls: list[int] = []
+    real = dcp.load
+    monkeypatch.setattr(dcp_io.dcp, "load", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    other, other_optim = fresh()
+    weights = [p.data_ptr() for p in other.parameters()]
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore({"model": other, "optim": other_optim, "epoch": 0}).step == 1
+    assert_same(model, optim, other, other_optim)
+    assert [p.data_ptr() for p in other.parameters()] == weights  # in place
+    assert calls == []  # read as planned here
+    # Part of the checkpoint (a plan DCP makes: not every saved tensor is asked for) is dcp.load's.
+    part, _ = fresh()
+    with CheckpointManager(root) as mgr:
+        mgr.restore({"model": part, "optim": torch.optim.AdamW(part.parameters())}, include=["model"])
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), part.parameters(), strict=True))
+
+
+def test_an_unexpected_error_while_reading_whole_tensors_fails_the_restore_as_dcp_load_does(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved_checkpoint(root)
+
+    def failing(*_: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    failures = {}
+    for io in ("raw", "torch"):  # whole tensors read here, and through dcp.load
+        monkeypatch.setenv("SAFECKPT_DCP_IO", io)
+        monkeypatch.setattr(dcp_io.RawFileSystemReader, "_read_file", failing)
+        monkeypatch.setattr(dcp_io.FileSystemReader, "read_data", failing)
+        other, other_optim = fresh()
+        with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError) as raised:
+            mgr.restore({"model": other, "optim": other_optim, "epoch": 0}, step=1)
+        failures[io] = raised.value
+    for error in failures.values():
+        assert "loading step 1" in str(error) and "Input/output error" in str(error)
+        assert error.step == 1
+
+
 def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

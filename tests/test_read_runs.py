@@ -196,6 +196,31 @@ def test_archives_of_one_length_but_two_layouts_in_one_run_all_load_right(
     assert copied and 0 < sum(copied) < len(state) - 1, "one run, holding rows of both layouts"
 
 
+def test_parameters_and_tensors_that_require_grad_are_filled_in_place_through_runs(
+    tmp_path: Path, copied: list[int]
+) -> None:
+    saved = {f"w{i}": torch.randn(4, 3) for i in range(12)} | {f"g{i}": torch.randn(5) for i in range(12)}
+    saved["gbig"] = torch.randn(1 << 17)  # read straight into its target, outside any run
+    with CheckpointManager(tmp_path / "run", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, {"model": saved})
+        params = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in saved.items() if k[0] == "w"}
+        grads = {k: torch.zeros_like(v).requires_grad_() for k, v in saved.items() if k[0] == "g"}
+        target = {"model": params | grads}
+        before = {k: v.data_ptr() for k, v in target["model"].items()}
+        mgr.restore(target)
+    for name, value in saved.items():
+        got = target["model"][name]
+        assert got.data_ptr() == before[name] and got.requires_grad, name
+        assert torch.equal(got.detach(), value), name
+    assert type(target["model"]["w0"]) is torch.nn.Parameter
+    assert sum(copied) == len(saved) - 1, "both kinds of small tensor went through runs"
+    # Copied into a target of another dtype (plain dcp.load semantics), as DCP's own reader does.
+    dcp.save({"wide": saved["gbig"]}, storage_writer=RawFileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    wide = torch.zeros(1 << 17, dtype=torch.float64, requires_grad=True)
+    dcp.load({"wide": wide}, storage_reader=RawFileSystemReader(tmp_path / "dcp"), no_dist=True)
+    assert wide.requires_grad and torch.equal(wide.detach(), saved["gbig"].double())
+
+
 def test_conjugate_and_negative_views_are_filled_as_dcp_fills_them(tmp_path: Path, copied: list[int]) -> None:
     """``_foreach_copy_`` refuses conjugate and negative views; such targets take the batch path."""
     cases = {

@@ -22,6 +22,7 @@ from .archive_read import _Archive, _ArchiveShape, _Layout, _named, _read_layout
 
 __all__ = ["ArchiveShapes"]
 
+_UNSEEN: Any = object()
 _PREFIX_LENGTHS = 64  # distinct prefix lengths remembered: a handful in any real file
 
 
@@ -47,13 +48,16 @@ class ArchiveShapes:
         chunks = getattr(tensor, "chunks", None)
         if not chunks:
             return None
-        chunk = next((c for c in chunks if c.offsets == index.offset), None)
+        if len(chunks) == 1:  # a whole tensor: no search (this runs for each of 10,000 small tensors)
+            chunk = chunks[0] if chunks[0].offsets == index.offset else None
+        else:
+            chunk = next((c for c in chunks if c.offsets == index.offset), None)
         if chunk is None:
             return None
-        key = (tensor.properties.dtype, tuple(chunk.sizes))
-        if key not in self._expected:
-            self._expected[key] = expected_shape(*key)
-        shape = self._expected[key]
+        key = (tensor.properties.dtype, chunk.sizes)  # a torch.Size hashes as the tuple it is
+        shape = self._expected.get(key, _UNSEEN)
+        if shape is _UNSEEN:
+            shape = self._expected[key] = expected_shape(key[0], tuple(chunk.sizes))
         return shape if shape is not None and shape.length == length else None
 
     def known(self, length: int, head: bytes) -> _ArchiveShape | None:

@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import threading
+import traceback
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,10 +32,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .dcp_nesting import flatten_nested
+from .dcp_nesting import flatten_nested, nest_for_dcp
 from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .integrity import FileChecksum, check_member_name, parse_checksums, read_verified
-from .raw_reader import RawFileSystemReader
+from .raw_reader import ItemInfos, RawFileSystemReader
 from .record import Record, read_record
 from .save_plans import SavePlans
 from .storage import RawFileSystemWriter
@@ -333,12 +334,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+class _WholeTensorPlanner(SafeLoadPlanner):
+    """The planner of a :func:`_whole_tensor_plan`'s reads: each item's tensor is its destination."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self.state_dict[read_item.dest_index.fqn]
+
+
 def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan | None:
     """The read items DCP would plan when every value is a plain tensor saved whole at its size, else None."""
     saved = getattr(metadata, "state_dict_metadata", None)
     if saved is None or len(saved) != len(state_dict):
         return None
+    # Each item indexes its chunk by the key .metadata stores it under (a whole tensor has one, at
+    # zero offsets), and the plan hands the reader each chunk's storage info: no key is built or
+    # hashed per tensor (each costs a Python call, and there may be 10,000).
+    keys = {index.fqn: (index, info) for index, info in metadata.storage_data.items()}
     items = []
+    infos = ItemInfos()  # the reader's lookups, done here
+    tensor_type = LoadItemType.TENSOR
     for fqn, tensor in state_dict.items():
         md = saved.get(fqn)
         if type(tensor) not in _PLAIN or type(md) is not dcp_metadata.TensorStorageMetadata:
@@ -349,13 +363,13 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
             return None
         if 0 in size:
             continue  # nothing to read: DCP's sweep finds no overlap and plans no item either
-        zeros = _ZEROS[len(size)] if len(size) < len(_ZEROS) else torch.Size([0] * len(size))
-        index = dcp_metadata.MetadataIndex(fqn, zeros, 0)  # the chunk's offsets are zeros too
-        items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size))
-    return LoadPlan(items)
-
-
-_ZEROS = tuple(torch.Size([0] * n) for n in range(8))
+        index, info = keys.get(fqn, (None, None))
+        if index is None or index.offset != chunks[0].offsets:
+            return None  # .metadata lacks the chunk's key: DCP plans it, and raises its own error
+        zeros = index.offset
+        items.append(ReadItem(tensor_type, index, zeros, index, zeros, size))
+        infos.append(info)
+    return LoadPlan(items, storage_data=infos)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -430,6 +444,43 @@ def load(
         if ours is not None:
             raise ours from e
         raise
+
+
+def load_flat(
+    flat: dict[str, Any],
+    directory: Path,
+    group: dist.ProcessGroup | None,
+    *,
+    record: Record,
+    metadata: dcp_metadata.Metadata,
+) -> None:
+    """:func:`load` for a flat state (DCP keys, as the checkpoint's ``.metadata`` names them).
+
+    In one process, when every value is a plain tensor that the checkpoint
+    holds whole at its size, and the checkpoint holds nothing else, the reader
+    reads the plan DCP would make (:func:`_whole_tensor_plan`) without
+    ``dcp.load``: its flattening, its planning steps and their logging cost more
+    than the reads of 10,000 small tensors. Anything else goes through DCP.
+    Errors are those of :func:`load`.
+    """
+    one_process = "no_dist" in _group_or_none(group)
+    plan = _whole_tensor_plan(flat, metadata) if one_process and not _torch_io() else None
+    if plan is None:
+        load(nest_for_dcp(flat), directory, group, record=record)
+        return
+    reader = SafeFileSystemReader(directory, record=record)
+    reader.set_up_storage_reader(metadata, True)
+    planner = _WholeTensorPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    # What set_up_planner sets, without its walk of the state: every value is a plain tensor.
+    planner.original_state_dict = planner.state_dict = flat
+    planner.metadata, planner.is_coordinator = metadata, True
+    try:
+        reader.read_data(plan, planner).wait()
+    except CheckpointError:
+        raise
+    except Exception as e:  # as dcp.load reports it, so callers see one kind of failed read
+        failure = (e, traceback.extract_tb(e.__traceback__))
+        raise CheckpointException("read_data", {0: failure}) from e
 
 
 def _our_failure(error: CheckpointException) -> CheckpointError | None:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from . import dcp_io
 from .collector import collector_paused
 from .errors import IncompleteCheckpointError, UnsupportedStateError
-from .state import PerRank, display, is_stateful, module_for, nest_for_dcp
+from .state import PerRank, display, is_stateful, module_for
 from .train_state import Legacy, read_tree
 
 try:
@@ -484,5 +484,5 @@ def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = N
             path=str(directory),
         )
     if plan.dcp:
-        dcp_io.load(nest_for_dcp(plan.dcp), directory, None)
+        dcp_io.load_flat(plan.dcp, directory, None, record=record, metadata=metadata)
     return plan.apply(ABSENT, loaded, step=record.step, path=str(directory))

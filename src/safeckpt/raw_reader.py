@@ -39,9 +39,14 @@ from .integrity import FileChecksum, Segment, corrupt, crc32, open_regular, veri
 from .read_batch import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .read_runs import RUN_ARCHIVE_BYTES, RUN_BYTES, RUN_MIN, PlannedRun, runs_as
 
-__all__ = ["RawFileSystemReader"]
+__all__ = ["ItemInfos", "RawFileSystemReader"]
 
 _AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
+
+
+class ItemInfos(list):  # type: ignore[type-arg]
+    """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
+    order, as that plan's ``storage_data``: set by a planner that looked them up already."""
 
 
 class RawFileSystemReader(FileSystemReader):
@@ -72,9 +77,13 @@ class RawFileSystemReader(FileSystemReader):
         if not raw_path_available():
             self.verify_items(plan.items)
             return super().read_data(plan, planner)
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        infos = plan.storage_data
+        if not isinstance(infos, ItemInfos) or len(infos) != len(plan.items):
+            # Looked up once here (each lookup hashes a key in Python), unless the plan did already.
+            infos = [self.storage_data[item.storage_index] for item in plan.items]
+        per_file: dict[str, list[tuple[ReadItem, Any]]] = {}  # each item with its storage info
+        for item, info in zip(plan.items, infos, strict=True):
+            per_file.setdefault(info.relative_path, []).append((item, info))
         for relative_path, items in per_file.items():
             path = self.fs.concat_path(self.path, relative_path)
             fd, _ = open_regular(Path(path))
@@ -87,7 +96,7 @@ class RawFileSystemReader(FileSystemReader):
         future.set_result(None)
         return future
 
-    def _read_file(self, fd: int, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, fd: int, items: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
         """Byte items, then the tensor archives in file order, front to back.
 
         Runs of archives whose shape can be guessed go in batches, one large
@@ -96,12 +105,13 @@ class RawFileSystemReader(FileSystemReader):
         destination and of the rest of the archive, parsed and checked in full.
         """
         archives: dict[int, list[ReadItem]] = {}  # offset -> the items it feeds (reshards: several)
-        for item in items:
-            info = self.storage_data[item.storage_index]
-            if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+        lengths: dict[int, int] = {}  # offset -> the archive's length
+        for item, info in items:
+            if item.type is LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
                 self._read_other(fd, item, planner)
             else:
                 archives.setdefault(info.offset, []).append(item)
+                lengths[info.offset] = info.length
         order = sorted(archives)
         # Up to _AHEAD batches are read ahead on a thread while the one before is checked and committed
         # here, so the disk never waits for Python (two buffered reads at once interleave and slow a
@@ -119,17 +129,18 @@ class RawFileSystemReader(FileSystemReader):
             reads = ReadAhead(fd, pool, direct)
             while True:
                 while len(reads) < _AHEAD and position < len(order):
-                    run = runs.pop(position, None) or self._plan_run(order, position, archives, planner)
+                    run = runs.pop(position, None) or self._plan_run(
+                        order, position, archives, lengths, planner
+                    )
                     if run is not None:
                         reads.add([run])
                         position += len(run.items)
-                    elif planned := self._plan_batch(order, position, archives, planner, runs):
+                    elif planned := self._plan_batch(order, position, archives, lengths, planner, runs):
                         reads.add(planned)
                         position += len(planned)
                     else:  # an archive whose shape cannot be guessed: read on its own, parsed in full
-                        group = archives[order[position]]
-                        length = self.storage_data[group[0].storage_index].length
-                        self._read_archive(fd, order[position], length, group, planner)
+                        offset = order[position]
+                        self._read_archive(fd, offset, lengths[offset], archives[offset], planner)
                         position += 1
                 batch = reads.next()
                 if batch is None:
@@ -144,21 +155,24 @@ class RawFileSystemReader(FileSystemReader):
         order: list[int],
         k: int,
         archives: dict[int, list[ReadItem]],
+        lengths: dict[int, int],
         planner: LoadPlanner,
     ) -> PlannedRun | None:
         """The run from ``order[k]`` (:meth:`_run_items`), each archive read whole into a CPU tensor
         of its shape that ``copy_`` fills as ``_foreach_copy_`` does (None: fewer than ``RUN_MIN``)."""
-        probe = self._run_items(order, k, archives, RUN_MIN)
+        probe = self._run_items(order, k, archives, lengths, RUN_MIN)
         if probe is None:
             return None
         shape, items = probe
         size = shape.layout.tensor.size()
-        if not _runs_into(planner.resolve_tensor(items[0]).detach(), size):
+        if not _runs_into(_fillable(planner.resolve_tensor(items[0])), size):
             return None  # (CUDA targets, say) found without scanning the rest of the run
-        shape, items = cast(tuple[_ArchiveShape, list[ReadItem]], self._run_items(order, k, archives))
+        shape, items = cast(
+            tuple[_ArchiveShape, list[ReadItem]], self._run_items(order, k, archives, lengths)
+        )
         targets: list[torch.Tensor] = []
         for item in items:
-            target = planner.resolve_tensor(item).detach()
+            target = _fillable(planner.resolve_tensor(item))
             if not _runs_into(target, size):
                 break  # the batch path takes it: a plain copy_, or DCP's error for a wrong size
             targets.append(target)
@@ -167,13 +181,18 @@ class RawFileSystemReader(FileSystemReader):
         return PlannedRun(order[k], shape, items[: len(targets)], targets)
 
     def _run_items(
-        self, order: list[int], k: int, archives: dict[int, list[ReadItem]], most: int | None = None
+        self,
+        order: list[int],
+        k: int,
+        archives: dict[int, list[ReadItem]],
+        lengths: dict[int, int],
+        most: int | None = None,
     ) -> tuple[_ArchiveShape, list[ReadItem]] | None:
         """By DCP's metadata alone: the consecutive small archives from ``order[k]`` of one length and
         one guessed shape, each read whole by one item, at most ``RUN_BYTES`` or ``most`` of them
         (None: fewer than ``RUN_MIN``)."""
         first = archives[order[k]]
-        length = self.storage_data[first[0].storage_index].length
+        length = lengths[order[k]]
         if len(first) != 1 or length > RUN_ARCHIVE_BYTES or k + RUN_MIN > len(order):
             return None
         if order[k + RUN_MIN - 1] - order[k] != (RUN_MIN - 1) * length:
@@ -188,14 +207,13 @@ class RawFileSystemReader(FileSystemReader):
         if most is None:
             most = max(RUN_MIN, RUN_BYTES // length)
         for j in range(k, min(len(order), k + most)):
-            group = archives[order[j]]
-            if order[j] != end or len(group) != 1:
+            offset = order[j]
+            group = archives[offset]
+            if offset != end or len(group) != 1 or lengths[offset] != length:
                 break
             item = group[0]
             if item.lengths != size or item.storage_offsets != whole:
                 break  # a part of the saved tensor (a reshard): planned archive by archive
-            if self.storage_data[item.storage_index].length != length:
-                break
             if self._shapes.guess(item, length) is not shape:
                 break  # another dtype or shape whose archive has the same length
             items.append(item)
@@ -236,6 +254,7 @@ class RawFileSystemReader(FileSystemReader):
         order: list[int],
         k: int,
         archives: dict[int, list[ReadItem]],
+        lengths: dict[int, int],
         planner: LoadPlanner,
         runs: dict[int, PlannedRun],
     ) -> list[Planned]:
@@ -247,20 +266,20 @@ class RawFileSystemReader(FileSystemReader):
         end: int | None = None
         for offset in order[k : k + BATCH_ARCHIVES]:
             group = archives[offset]
-            length = self.storage_data[group[0].storage_index].length
+            length = lengths[offset]
             shape = self._shapes.guess(group[0], length)
             if shape is None or (end is not None and offset != end):
                 break
             if planned and size + length > BATCH_BYTES:
                 break
             if planned and length <= RUN_ARCHIVE_BYTES:
-                run = self._plan_run(order, k + len(planned), archives, planner)
+                run = self._plan_run(order, k + len(planned), archives, lengths, planner)
                 if run is not None:
                     runs[k + len(planned)] = run
                     break
             if not all(_fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
-            targets = [planner.resolve_tensor(item).detach() for item in group]
+            targets = [_fillable(planner.resolve_tensor(item)) for item in group]
             saved = [_saved(shape.layout, item) for item in group]
             if any(t.size() != s.size() for t, s in zip(targets, saved, strict=True)):
                 break
@@ -359,7 +378,7 @@ class RawFileSystemReader(FileSystemReader):
         self._shapes.tensors = getattr(metadata, "state_dict_metadata", None) or {}
 
     def _target(self, item: ReadItem, layout: _Layout, planner: LoadPlanner) -> torch.Tensor:
-        target = planner.resolve_tensor(item).detach()
+        target = _fillable(planner.resolve_tensor(item))
         saved = _saved(layout, item)
         if target.size() != saved.size():
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {saved.size()}")
@@ -406,10 +425,16 @@ class RawFileSystemReader(FileSystemReader):
                 raise corrupt(path, info.offset, step=self._step)
 
 
+def _fillable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or where filling it in place would be refused (a parameter, a tensor that
+    requires grad) its view outside autograd. The view costs a Python object (0.5 us per tensor)."""
+    return tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
+
+
 def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Layout) -> bool:
     """The stored bytes are exactly the target's bytes: same dtype, both dense, nothing narrowed."""
     return (
-        target.device.type == "cpu"
+        target.is_cpu
         and target.dtype == layout.dtype
         and target.is_contiguous()
         and layout.dense
@@ -426,7 +451,7 @@ def _runs_into(target: torch.Tensor, size: torch.Size) -> bool:
     inference tensor, which ``copy_`` refuses outside inference mode)."""
     return (
         type(target) is torch.Tensor
-        and target.device.type == "cpu"
+        and target.is_cpu
         and target.size() == size
         and not target.is_conj()
         and not target.is_neg()

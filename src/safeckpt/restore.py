@@ -31,7 +31,6 @@ from .layout import Layout, parse_step_dirname
 from .legacy_state import load_legacy
 from .loading import LoadPlan, LoadReport, Selection
 from .record import Record, missing_or_wrong_files, read_record
-from .state import nest_for_dcp
 from .train_state import Legacy, read_tree, restore_rng, train_state_filename
 
 logger = logging.getLogger(__name__)
@@ -208,6 +207,7 @@ def _load_checkpoint(
     loaded: Any = None
     tree: Any = None
     rng: Any = None
+    metadata: Any = None
     try:
         metadata = dcp_io.read_metadata(directory, record=record)
         tree, rng = read_tree(directory, record, parts.rank)
@@ -249,7 +249,7 @@ def _load_checkpoint(
     filling()
     if plan.dcp or parts.distributed:  # collective: every rank takes part, even with nothing to read
         try:
-            dcp_io.load(nest_for_dcp(plan.dcp), directory, parts.control)
+            dcp_io.load_flat(plan.dcp, directory, parts.control, record=record, metadata=metadata)
         except CheckpointException as e:
             raise IncompleteCheckpointError(
                 f"loading step {record.step} from {directory} failed: {e}. Restore another step.",
