@@ -128,6 +128,8 @@ class LoadPlan:
 
     def plan(self, target: Any, node: Any, keys: tuple[Any, ...], full: bool = False) -> Any:
         """The value to put at ``keys`` (the target itself where it is filled in place)."""
+        if type(node) is dict and len(node) == 1 and "T" in node and isinstance(target, torch.Tensor):
+            return self._tensor(target, node["T"], keys, full)  # most of a state: first, and short
         if isinstance(target, PerRank):
             return self._per_rank(target, node, keys, full)
         if target is not ABSENT and not isinstance(target, (torch.Tensor, Mapping, list, tuple)):
@@ -267,9 +269,9 @@ class LoadPlan:
         if not isinstance(meta, TensorStorageMetadata):
             self.damage.append(f"{display(keys)} names the DCP key {fqn!r}, which .metadata lacks")
             return target
-        shape, dtype = tuple(meta.size), meta.properties.dtype
+        shape, dtype = meta.size, meta.properties.dtype
         if isinstance(target, torch.Tensor):
-            if tuple(target.shape) == shape and target.dtype == dtype:
+            if target.shape == shape and target.dtype == dtype:
                 self.dcp[fqn] = target
                 return target
             if not full or (DTensor is not None and isinstance(target, DTensor)):

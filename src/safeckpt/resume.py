@@ -150,6 +150,8 @@ class ResumePath:
     ) -> tuple[Path, Record] | None:
         """Rank 0 chooses; every rank gets the same choice, or the same error."""
         parts = self._parts
+        if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
+            return choose_checkpoint(self._layout, step, path, exclude=excluded)
         choice: tuple[str, dict[str, Any]] | None = None
         error: BaseException | None = None
         if parts.is_leader:
