@@ -320,6 +320,15 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
+def evict_all(path: Path) -> None:
+    """:func:`evict`, and what safeckpt keeps parsed in this process (the last ``.metadata`` and
+    checksums, safeckpt.dcp_io): a cold restore then starts as a restarted job's does."""
+    from safeckpt import dcp_io
+
+    evict(path)
+    dcp_io.forget_parsed()
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

@@ -37,7 +37,7 @@ from bench_common import (
     Report,
     Table,
     build_state,
-    evict,
+    evict_all,
     filesystem_of,
     interleaved,
     machine,
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             times: dict[str, float] = {}
             for name in interleaved(["raw", *variants], rep):
-                evict(root)
+                evict_all(root)
                 settle()
                 begin = time.perf_counter()
                 if name == "raw":

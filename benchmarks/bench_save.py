@@ -59,7 +59,7 @@ from bench_common import (
     Report,
     Table,
     build_state,
-    evict,
+    evict_all,
     filesystem_of,
     fsync_path,
     held,
@@ -361,7 +361,7 @@ def bench_restore(b: Bench) -> list[Table]:
                 raw[strategy] = b.read_limit.time(strategy)  # evicts first
                 continue
             path, run = variants[name]
-            evict(path)
+            evict_all(path)
             start = time.perf_counter()
             loaded = run()
             times[name] = time.perf_counter() - start

@@ -36,6 +36,7 @@ from bench_common import (
     Table,
     build_state,
     evict,
+    evict_all,
     filesystem_of,
     host_buffers,
     interleaved,
@@ -204,7 +205,7 @@ def bench(args: argparse.Namespace, work: Path) -> list[Table]:
                 if slot == name:
                     target = make()
                     settle()
-                    evict(mgr.root)
+                    evict_all(mgr.root)
                     loaded[slot] = timed(lambda mgr=mgr, target=target: mgr.restore(target))
                 else:
                     settle()

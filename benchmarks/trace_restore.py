@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import safeckpt
-from bench_common import evict, wrap
+from bench_common import evict_all, wrap
 from bench_state import GIB, variants
 from safeckpt import CheckpointManager, Retention
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.restores):
                 spent.clear()
                 target = make_target()
-                evict(root)
+                evict_all(root)
                 start = time.perf_counter()
                 mgr.restore(target)
                 times.append(time.perf_counter() - start)

@@ -187,7 +187,7 @@ def plant_metadata(directory: Path, payload: bytes) -> None:
     # consistent, so only the restricted unpickler stops it
     checksums[METADATA_NAME] = FileChecksum.whole(payload).to_json()
     write_record(directory, dataclasses.replace(record, files=files, checksums=checksums), lock, FileOps())
-    dcp_io._last_parsed.clear()
+    dcp_io.forget_parsed()
 
 
 @pytest.mark.parametrize("name", ATTACKS)
@@ -274,6 +274,18 @@ def test_a_malicious_value_is_refused_by_the_planner(tmp_path: Path, name: str) 
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, Exception)
     assert not marker.exists()
     assert target["lr"] == 0.0
+
+
+def test_what_is_kept_parsed_is_forgotten_as_a_new_process_starts(root: Path) -> None:
+    directory, _, _ = saved_checkpoint(root)
+    record = read_record(directory)
+    first, checksums = read_metadata(directory, record=record), dcp_io.checksums_of(record, directory)
+    assert read_metadata(directory, record=record) is first  # kept: a restore asks several times
+    assert dcp_io.checksums_of(record, directory) is checksums
+    dcp_io.forget_parsed()
+    again = read_metadata(directory, record=record)
+    assert again is not first and again.state_dict_metadata == first.state_dict_metadata
+    assert dcp_io.checksums_of(record, directory) is not checksums
 
 
 # --- damaged metadata -----------------------------------------------------------------------------------

@@ -75,6 +75,26 @@ def test_the_checksum_is_zip_crc32_and_combines() -> None:
     assert combine(crc32(data[:1000]), crc32(data[1000:]), len(data) - 1000) == zlib.crc32(data)
 
 
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        ([[0, 4, True], [4, 6, 7]], "integers"),  # JSON true is not a CRC
+        ([[0, 4.0, 1], [4, 6, 7]], "integers"),
+        ([[0, 4, "1"], [4, 6, 7]], "integers"),
+        ([[0, 4, 1], [5, 5, 7]], "does not follow"),  # a gap
+        ([[0, -4, 1], [-4, 14, 7]], "does not follow"),
+        ([[0, 4, 1 << 32], [4, 6, 7]], "does not follow"),
+        ([[0, 4, 1], [4, 5, 7]], "cover 9 bytes, the file has 10"),
+        ([[0, 4], [4, 6, 7]], "values to unpack"),
+        ({"x": 1}, "values to unpack"),
+    ],
+)
+def test_a_damaged_checksum_entry_is_an_incomplete_checkpoint(rows: Any, why: str) -> None:
+    assert FileChecksum.from_json({"crc32": [[0, 4, 1], [4, 6, 7]]}, size=10, where="f").size == 10
+    with pytest.raises(IncompleteCheckpointError, match=f"checksums recorded for f are not valid.*{why}"):
+        FileChecksum.from_json({"crc32": rows}, size=10, where="f")
+
+
 def test_every_file_of_a_checkpoint_is_covered_by_its_checksums(root: Path) -> None:
     _saves(root, (1,))
     record = read_record(root / "step_1")
@@ -273,7 +293,7 @@ def _repoint_metadata(step_dir: Path, relative: str) -> None:
     record["files"][".metadata"] = len(data)
     record["checksums"][".metadata"] = FileChecksum.whole(data).to_json()
     (step_dir / "metadata.json").write_text(json.dumps(record))
-    dcp_io._last_parsed.clear()
+    dcp_io.forget_parsed()
 
 
 @pytest.mark.parametrize("relative", ["../outside.bin", "/etc/passwd", "train_state.rank0.safetensors"])

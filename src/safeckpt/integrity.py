@@ -122,7 +122,8 @@ class FileChecksum:
             position = 0
             for row in rows:
                 offset, length, crc = row
-                if not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+                # JSON gives exact ints (a bool is not one); checked as types, one call per segment
+                if type(offset) is not int or type(length) is not int or type(crc) is not int:
                     raise TypeError("segment values must be integers")
                 if offset != position or length < 0 or not 0 <= crc <= 0xFFFFFFFF:
                     raise ValueError(f"segment {row} does not follow the one before it")
