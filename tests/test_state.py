@@ -284,6 +284,13 @@ def test_the_walk_is_cached_while_the_structure_stays_and_redone_when_it_changes
     capture({"x": {**tensors, "new": torch.ones(1)}, "epoch": 3}, rng=False, cache=cache)
     capture({"x": tensors, "epoch": {"now": "a dict"}}, rng=False, cache=cache)
     assert (cache.misses, cache.hits) == (3, 1)
+    reordered = capture({"x": dict(reversed(tensors.items())), "epoch": 4}, rng=False, cache=cache)
+    same_count = {("u0" if k == "t0" else k): v for k, v in tensors.items()}  # only a name differs
+    renamed = capture({"x": same_count, "epoch": 5}, rng=False, cache=cache)
+    assert (cache.misses, cache.hits) == (5, 1)
+    assert next(iter(reordered.dcp)) == "x.t49" and next(iter(renamed.dcp)) == "x.u0"
+    capture({"x": tensors, "epoch": {"now": "a dict"}}, rng=False, cache=cache)
+    assert (cache.misses, cache.hits) == (6, 1)
     with pytest.raises(UnsupportedStateError, match=r"epoch is a builtins\.set"):
         capture({"x": tensors, "epoch": {1}}, rng=False, cache=cache)  # same shape, bad leaf
     capture({"x": tensors, "epoch": {1: 0}}, rng=False, cache=cache)

@@ -285,12 +285,11 @@ def _path_of(target: Any, value: Any, keys: tuple[Any, ...] = ()) -> tuple[Any, 
 
 def _collect_mapping(value: Mapping[Any, Any], got: _Collected, root: Mapping[Any, Any]) -> None:
     signature, tensors = got.signature, got.tensors
+    keys = tuple(value)  # the keys, and their types, each in one entry: built in C, not per key
     signature.append(_DICT)
-    signature.append(len(value))
-    for k, v in value.items():
-        signature.append(k)
-        if type(k) is not str:
-            signature.append(type(k))  # 1, 1.0 and True are equal keys, but only 1 is a valid one
+    signature.append(keys)
+    signature.append(tuple(map(type, keys)))  # 1, 1.0 and True are equal keys, but only 1 is a valid one
+    for v in value.values():
         if isinstance(v, torch.Tensor):  # inlined: the common leaf of a large state
             tensors.append(v)
             signature.append(v.layout)

@@ -57,7 +57,7 @@ class StagingSlot:
         self.allocations = 0  # buffers created so far (tests and benchmarks read it)
         # The flat plan: the keys, (shape, dtype) of each source, and the buffers, in order.
         self._flat_keys: tuple[Any, ...] | None = None
-        self._flat_meta: list[Any] = []  # (shape, dtype, device) per source
+        self._flat_meta: list[Any] = []  # (shape, dtype, is_cpu) per source (_META)
         self._flat_bufs: list[Any] = []
         self._flat_special: list[int] = []  # DTensors and device tensors: copied one by one
         self._flat_host_dst: list[torch.Tensor] = []  # buffers of the plain CPU sources, in order
@@ -183,7 +183,9 @@ class StagingSlot:
         return host
 
 
-_META = operator.attrgetter("shape", "dtype", "device")
+# What a flat plan depends on: each buffer's shape and dtype, and which sources are copied one by
+# one (DTensors, and tensors not on the CPU: is_cpu, not device, which builds an object per tensor).
+_META = operator.attrgetter("shape", "dtype", "is_cpu")
 
 
 def _is_dtensor(tensor: Any) -> bool:
