@@ -326,7 +326,12 @@ def evict_all(path: Path) -> None:
     from safeckpt import dcp_io
 
     evict(path)
-    dcp_io.forget_parsed()
+    forget = getattr(dcp_io, "forget_parsed", None)
+    if forget is not None:
+        forget()
+    else:  # a checkout from before it (trace_restore.py with PYTHONPATH): the same caches
+        for cache in ("_last_parsed", "_parsed_checksums"):
+            getattr(dcp_io, cache, []).clear()
 
 
 def dir_bytes(path: Path) -> int:

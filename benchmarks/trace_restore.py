@@ -45,9 +45,11 @@ PHASES = [
     ("safeckpt.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
     ("safeckpt.restore", None, "read_tree", "reading the training state (tree)"),
     ("safeckpt.loading", "LoadPlan", "mapping", "matching the tree and the state"),
-    ("safeckpt.dcp_io", None, "load", "dcp.load, in all"),
-    ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "  flattening the state"),
-    ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "  the local plan (read items)"),
+    ("safeckpt.dcp_io", None, "load_flat", "loading the tensors, in all"),
+    ("safeckpt.dcp_io", None, "_whole_tensor_plan", "  the whole-tensor plan (read items)"),
+    ("safeckpt.dcp_io", None, "load", "  dcp.load, in all (a plan DCP makes)"),
+    ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "    DCP: flattening the state"),
+    ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "    DCP: the local plan (read items)"),
     ("safeckpt.storage", "RawFileSystemReader", "read_data", "  read_data, in all"),
     ("safeckpt.storage", "RawFileSystemReader", "_plan_run", "    planning runs"),
     ("safeckpt.storage", "RawFileSystemReader", "_plan_batch", "    planning batches"),
@@ -66,7 +68,9 @@ def time_phases() -> dict[str, float]:
     for module_name, owner_name, name, label in PHASES:
         module = importlib.import_module(module_name)
         owner = module if owner_name is None else getattr(module, owner_name)
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:
+            continue  # a checkout from before this step existed
         timed = wrap(owner, name, label, spent)
         if owner_name is None:  # imported by name elsewhere: wrap it there too
             for other in ("safeckpt.restore", "safeckpt.manager"):
