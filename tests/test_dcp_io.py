@@ -409,6 +409,20 @@ def test_an_unexpected_error_while_reading_whole_tensors_fails_the_restore_as_dc
         assert error.step == 1
 
 
+@pytest.mark.parametrize("damage", ["no storage data", "chunks not a list"])
+def test_a_metadata_the_whole_tensor_plan_cannot_read_fails_as_dcp_load_does(root: Path, damage: str) -> None:
+    directory, _, _ = saved_checkpoint(root)
+    metadata = read_metadata(directory)
+    if damage == "no storage data":
+        metadata.storage_data = None
+    else:
+        next(iter(metadata.state_dict_metadata.values())).chunks = None
+    plant_metadata(directory, pickle.dumps(metadata))
+    other, other_optim = fresh()
+    with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError, match="loading step 1"):
+        mgr.restore({"model": other, "optim": other_optim, "epoch": 0}, step=1)
+
+
 def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

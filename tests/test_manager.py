@@ -112,31 +112,6 @@ def test_nothing_to_resume_returns_zero_and_leaves_state(root: Path) -> None:
     assert same_weights(before, weights(state))
 
 
-def test_a_restore_reads_each_record_once(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A record holds a segment per tensor (a few MiB for 10^5): the one chosen is not read again."""
-    import safeckpt.catalog
-    import safeckpt.record
-    import safeckpt.restore
-
-    state = make_state()
-    with CheckpointManager(root, async_save=False) as mgr:
-        for step in (1, 2, 3):
-            mgr.save(step, state)
-    read: list[str] = []
-    real = safeckpt.record.read_record
-
-    def counting(path: Path, **kwargs: Any) -> Any:
-        read.append(path.name)
-        return real(path, **kwargs)
-
-    monkeypatch.setattr(safeckpt.catalog, "read_record", counting)
-    monkeypatch.setattr(safeckpt.restore, "read_record", counting)
-    with CheckpointManager(root) as mgr:
-        read.clear()
-        assert mgr.restore(make_state(seed=3)).step == 3
-    assert sorted(read) == ["step_1", "step_2", "step_3"]
-
-
 def test_commit_layout_and_latest(root: Path) -> None:
     state = make_state()
     with CheckpointManager(root, async_save=False) as mgr:

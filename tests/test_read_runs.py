@@ -221,6 +221,21 @@ def test_parameters_and_tensors_that_require_grad_are_filled_in_place_through_ru
     assert wide.requires_grad and torch.equal(wide.detach(), saved["gbig"].double())
 
 
+def test_inference_tensors_are_filled_as_dcp_fills_them(tmp_path: Path) -> None:
+    """``copy_`` into an inference tensor is refused outside inference mode, into its view it is not."""
+    saved = {f"w{i}": torch.randn(3, 4) for i in range(12)}
+    with CheckpointManager(tmp_path / "run", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, {"model": saved})
+        with torch.inference_mode():
+            bases = {k: torch.zeros(4, 3) for k in saved}
+            targets = {"model": {k: b.t() for k, b in bases.items()}}  # not contiguous: copied
+            straight = {"model": {k: torch.zeros(3, 4) for k in saved}}  # through a run
+        mgr.restore(targets)
+        mgr.restore(straight)
+    for k, value in saved.items():
+        assert torch.equal(bases[k].t(), value) and torch.equal(straight["model"][k], value), k
+
+
 def test_conjugate_and_negative_views_are_filled_as_dcp_fills_them(tmp_path: Path, copied: list[int]) -> None:
     """``_foreach_copy_`` refuses conjugate and negative views; such targets take the batch path."""
     cases = {

@@ -472,8 +472,12 @@ def load_flat(
     than the reads of 10,000 small tensors. Anything else goes through DCP.
     Errors are those of :func:`load`.
     """
-    one_process = "no_dist" in _group_or_none(group)
-    plan = _whole_tensor_plan(flat, metadata) if one_process and not _torch_io() else None
+    plan = None
+    if "no_dist" in _group_or_none(group) and not _torch_io():
+        try:
+            plan = _whole_tensor_plan(flat, metadata)
+        except Exception:  # a .metadata not laid out as DCP writes it: dcp.load raises its own error
+            plan = None
     if plan is None:
         load(nest_for_dcp(flat), directory, group, record=record)
         return

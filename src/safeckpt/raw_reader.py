@@ -426,9 +426,11 @@ class RawFileSystemReader(FileSystemReader):
 
 
 def _fillable(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or where filling it in place would be refused (a parameter, a tensor that
-    requires grad) its view outside autograd. The view costs a Python object (0.5 us per tensor)."""
-    return tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
+    """``tensor``, or where filling it in place would be refused its view outside autograd (a
+    parameter, a tensor that requires grad, an inference tensor: ``copy_`` into it is refused outside
+    inference mode, into its view it is not). The view costs a Python object (0.5 us per tensor)."""
+    plain = type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.is_inference()
+    return tensor if plain else tensor.detach()
 
 
 def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Layout) -> bool:

@@ -36,15 +36,16 @@ from .train_state import Legacy, read_tree, restore_rng, train_state_filename
 logger = logging.getLogger(__name__)
 
 
-def verify_checkpoint(directory: Path, *, step: int | None = None, record: Record | None = None) -> Record:
+def verify_checkpoint(directory: Path, *, step: int | None = None) -> Record:
     """The record of a committed, complete checkpoint at ``directory``; raises otherwise.
 
     Complete: its record is valid (and of ``step``, when the directory stands
     for one), every file the record lists is a regular file of its recorded
     size, and DCP's ``.metadata`` matches its checksum, reads through the
     restricted unpickler and names only files of this checkpoint. Reads no
-    tensor data: those bytes are verified as they load. ``record``: the
-    directory's record as a scan has just read it (not read again).
+    tensor data: those bytes are verified as they load. The record is read
+    anew (not taken from a scan): a step overwritten meanwhile is checked
+    against the record of its files.
     """
     if not directory.is_dir():
         raise CheckpointNotFoundError(
@@ -52,8 +53,7 @@ def verify_checkpoint(directory: Path, *, step: int | None = None, record: Recor
             path=str(directory),
             step=parse_step_dirname(directory.name) if step is None else step,
         )
-    if record is None:  # else the record a scan has just read (a record of 10^4 tensors: ms to parse)
-        record = read_record(directory, step=step if step is not None else parse_step_dirname(directory.name))
+    record = read_record(directory, step=step if step is not None else parse_step_dirname(directory.name))
     if record is None or not record.committed:
         raise IncompleteCheckpointError(
             f"{directory} is not a committed checkpoint (it has no committed record): it may be "
@@ -130,7 +130,7 @@ def choose_checkpoint(
         if entry.step in exclude:
             continue
         try:
-            record = verify_checkpoint(entry.path, step=entry.step, record=entry.record)
+            record = verify_checkpoint(entry.path, step=entry.step)
         except SKIPPABLE as e:
             logger.warning("safeckpt: skipping step %d: %s", entry.step, e)
             skipped.append(entry.step)
