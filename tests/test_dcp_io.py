@@ -276,16 +276,40 @@ def test_a_malicious_value_is_refused_by_the_planner(tmp_path: Path, name: str) 
     assert target["lr"] == 0.0
 
 
-def test_what_is_kept_parsed_is_forgotten_as_a_new_process_starts(root: Path) -> None:
+def test_what_is_parsed_is_kept_within_a_read_and_forgotten_after_it(root: Path) -> None:
     directory, _, _ = saved_checkpoint(root)
     record = read_record(directory)
-    first, checksums = read_metadata(directory, record=record), dcp_io.checksums_of(record, directory)
-    assert read_metadata(directory, record=record) is first  # kept: a restore asks several times
-    assert dcp_io.checksums_of(record, directory) is checksums
-    dcp_io.forget_parsed()
-    again = read_metadata(directory, record=record)
-    assert again is not first and again.state_dict_metadata == first.state_dict_metadata
-    assert dcp_io.checksums_of(record, directory) is not checksums
+    outside = read_metadata(directory, record=record)
+    assert read_metadata(directory, record=record) is not outside  # nothing held between reads
+    assert dcp_io.checksums_of(record, directory) is not dcp_io.checksums_of(record, directory)
+    with dcp_io.parsed_kept():
+        first, checksums = read_metadata(directory, record=record), dcp_io.checksums_of(record, directory)
+        with dcp_io.parsed_kept():  # nested: the same
+            assert read_metadata(directory, record=record) is first
+        assert read_metadata(directory, record=record) is first  # kept: a restore asks several times
+        assert dcp_io.checksums_of(record, directory) is checksums
+        dcp_io.forget_parsed()  # as a new process starts (benchmarks)
+        again = read_metadata(directory, record=record)
+        assert again is not first and again.state_dict_metadata == first.state_dict_metadata
+        assert dcp_io.checksums_of(record, directory) is not checksums
+    assert not dcp_io._last_parsed and not dcp_io._parsed_checksums  # the outermost scope ended
+
+
+def test_a_restore_or_load_keeps_nothing_parsed_after_it(root: Path) -> None:
+    state = {"w": torch.arange(6.0), "n": {"b": torch.ones(3)}}
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state)
+        unpickled = []
+        real = dcp_io._unpickle_metadata
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dcp_io, "_unpickle_metadata", lambda *a: unpickled.append(1) or real(*a))
+            target = {"w": torch.zeros(6), "n": {"b": torch.zeros(3)}}
+            assert mgr.restore(target).step == 1 and torch.equal(target["w"], state["w"])
+            assert unpickled == [1]  # once, though verify, the key check and the reader all read it
+            assert not dcp_io._last_parsed and not dcp_io._parsed_checksums
+            loaded = mgr.load()
+            assert torch.equal(loaded["n"]["b"], state["n"]["b"]) and unpickled == [1, 1]
+            assert not dcp_io._last_parsed and not dcp_io._parsed_checksums
 
 
 # --- damaged metadata -----------------------------------------------------------------------------------

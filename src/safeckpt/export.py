@@ -152,6 +152,7 @@ class ExportResult:
         }
 
 
+@dcp_io.parsed_kept()  # the checkpoint is chosen, verified and read: one unpickle of .metadata
 def plan_export(
     root: str | os.PathLike[str],
     *,
@@ -247,6 +248,7 @@ def export_weights(
     return write_export(plan, out, force=force, progress=progress, read_budget=read_budget)
 
 
+@dcp_io.parsed_kept()  # each group's load reads the same .metadata
 def write_export(
     plan: ExportPlan,
     out: str | os.PathLike[str],

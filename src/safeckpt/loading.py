@@ -437,6 +437,7 @@ def _apply(target: Any, loaded: Any) -> Any:
 
 
 @collector_paused()  # thousands of small objects: see safeckpt.collector
+@dcp_io.parsed_kept()  # chosen, verified and read: .metadata parsed once
 def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
     """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
 

@@ -157,6 +157,7 @@ def total_bytes(root: str | os.PathLike[str], steps: Sequence[int] | None = None
     )
 
 
+@dcp_io.parsed_kept()  # the checksums, parsed once for the files and .metadata
 def verify_entry(entry: Entry, *, progress: Callable[[int], None] | None = None) -> list[str]:
     """What is wrong with one checkpoint, reading all of its bytes (empty: sound)."""
     problems = verify_files(entry)

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import dcp_io
 from .arguments import validate_or_none
 from .collector import collector_paused
 from .distributed import Participants, agreed_error
@@ -43,6 +44,7 @@ class ResumePath:
     _conclude: Callable[..., Any]
 
     @collector_paused()  # the record's and the plan's objects too, not only DCP's: see safeckpt.collector
+    @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
     def restore(
         self,
         state: MutableMapping[str, Any],
