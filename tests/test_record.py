@@ -64,6 +64,9 @@ def a_record(**changes: Any) -> Record:
     return Record(**fields)
 
 
+CHECKSUMS = {"__0_0.distcp": {"crc32": [[0, 6, 1], [6, 4, 2]]}, "part.bin": {"crc32": [[0, 3, 3]]}}
+
+
 # --- round trip ---------------------------------------------------------------------------------
 
 
@@ -74,6 +77,7 @@ def a_record(**changes: Any) -> Record:
         pytest.param(a_record(pinned=True, registration={"status": "registered", "id": 7}), id="registered"),
         pytest.param(Record(step=0, time=0.0, files={}), id="minimal"),
         pytest.param(a_record(status="writing", metrics={}, extra={}), id="not-committed"),
+        pytest.param(a_record(checksums=CHECKSUMS), id="with-checksums"),
     ],
 )
 def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> None:
@@ -90,6 +94,16 @@ def test_the_record_on_disk_is_readable_json(ckpt: Path, lock: SidecarLock) -> N
     assert list(data["files"]) == sorted(data["files"])
     record = read_record(ckpt)
     assert record is not None and record.committed and record.size == 13
+
+
+def test_the_record_is_indented_for_a_reader_but_its_checksum_rows_are_compact() -> None:
+    record = a_record(checksums=CHECKSUMS)
+    text = encode(record).decode()
+    assert json.loads(text) == record.to_json()  # the same object, key order included
+    assert list(json.loads(text)) == list(record.to_json())
+    assert '\n  "step": 5,\n' in text and text.endswith("\n}\n")
+    assert '\n  "checksums": {"__0_0.distcp":{"crc32":[[0,6,1],[6,4,2]]},"part.bin":' in text
+    assert text.count("\n") == encode(a_record()).decode().count("\n")  # the rows add no lines
 
 
 def test_no_record_reads_as_none(ckpt: Path) -> None:

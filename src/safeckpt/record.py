@@ -230,7 +230,17 @@ def _int(value: Any) -> int:
 
 
 def encode(record: Record) -> bytes:
-    return (json.dumps(record.to_json(), indent=2, allow_nan=False) + "\n").encode()
+    """The record as JSON, indented for a reader, but for the checksums: a row per item, 10^4 of them
+    for a state of small tensors, written compact by the C encoder. The indenting encoder is pure
+    Python (34 ms for 10,000 rows against 5 ms) and holds the GIL while training runs."""
+    data = record.to_json()
+    checksums = data.get("checksums")
+    if not checksums or list(data)[-1] != "checksums":
+        return (json.dumps(data, indent=2, allow_nan=False) + "\n").encode()
+    del data["checksums"]
+    head = json.dumps(data, indent=2, allow_nan=False)  # "{\n  ...\n}": the same object, continued
+    rows = json.dumps(checksums, separators=(",", ":"), allow_nan=False)
+    return f'{head[:-2]},\n  "checksums": {rows}\n}}\n'.encode()
 
 
 def read_record(checkpoint_dir: Path, *, step: int | None = None) -> Record | None:
