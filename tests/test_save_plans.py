@@ -161,3 +161,92 @@ def test_a_torch_without_plan_caching_plans_every_save(
         assert not any(mgr._plans.key in getattr(SavePlanner, name) for name in _CACHES)
     assert len(global_plans) == 2
     assert torch.equal(safeckpt.load(tmp_path / "ckpt")["w"], state["w"])
+
+
+# --- plans of plain tensors, made here ---------------------------------------------------------------
+
+
+def plain_state() -> dict[str, Any]:
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    return {
+        "w": w,
+        "tied": w,  # the same tensor under two names
+        "b": torch.zeros(3, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 5),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+        "i": torch.arange(5, dtype=torch.int64),
+        "grad": torch.ones(2, requires_grad=True),
+    }
+
+
+def test_a_plan_of_plain_tensors_has_the_items_dcp_makes(tmp_path: Path) -> None:
+    state = plain_state()
+    ours = save_plans.SavePlans().planner()
+    ours.set_up_planner(state, is_coordinator=True)
+    theirs = default_planner.DefaultSavePlanner()
+    theirs.set_up_planner(state, is_coordinator=True)
+    plan, expected = ours.create_local_plan(), theirs.create_local_plan()
+    assert plan.items == expected.items and plan.planner_data == expected.planner_data
+    assert ours.plan is plan
+    # one properties object per kind of tensor, one zero offset per rank: pickled once each
+    kinds = {(i.tensor_data.properties.dtype, i.tensor_data.properties.requires_grad) for i in plan.items}
+    assert len({id(i.tensor_data.properties) for i in plan.items}) == len(kinds) == 4
+    chunks = [i.tensor_data.chunk for i in plan.items]
+    assert len({id(c.offsets) for c in chunks}) == len({len(c.offsets) for c in chunks}) == 3  # 0-, 1-, 2-dim
+    for item in plan.items:  # each tensor itself, as DCP's lookup finds it
+        assert ours.resolve_data(item) is theirs.resolve_data(item)
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        mgr.save(1, state)
+        metadata = read_metadata(mgr.root / "step_1")
+    saved = metadata.state_dict_metadata.values()
+    kinds = {(md.properties.dtype, md.properties.requires_grad) for md in saved}
+    assert len({id(md.properties) for md in saved}) == len(kinds) < len(saved)
+    loaded = dcp_load_plain(mgr.root / "step_1", state)
+    assert all(torch.equal(loaded[k], v.detach()) for k, v in state.items())
+
+
+def dcp_load_plain(directory: Path, like: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What plain ``dcp.load`` reads from ``directory`` into fresh tensors shaped as ``like``."""
+    import torch.distributed.checkpoint as dcp
+
+    target = {k: torch.empty_like(v.detach()) for k, v in like.items()}
+    dcp.load(target, checkpoint_id=directory, no_dist=True)
+    return target
+
+
+def test_a_state_of_other_values_is_planned_by_dcp() -> None:
+    planner = save_plans.SavePlans().planner()
+    planner.set_up_planner({"w": torch.ones(2), "lr": 0.1}, is_coordinator=True)
+    assert save_plans._inputs(planner.state_dict, True, planner.mappings) is None
+    assert {i.index.fqn for i in planner.create_local_plan().items} == {"w", "lr"}
+
+
+@needs_caching
+def test_a_plan_made_from_the_same_inputs_is_neither_made_nor_compared_again(
+    tmp_path: Path, global_plans: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    original = save_plans._plain_items
+    monkeypatch.setattr(save_plans, "_plain_items", lambda *a: made.append(1) or original(*a))
+    compared: list[int] = []
+    same_plan = save_plans._same
+    monkeypatch.setattr(save_plans, "_same", lambda *a: compared.append(1) or same_plan(*a))
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    state = {"model": {"w": w, "b": torch.randn(3)}}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, state)
+        assert (made, compared, len(global_plans)) == ([1], [], 1)
+        w.data = w.data.to(torch.bfloat16)  # the same parameter, cast in place: a new plan
+        mgr.save(4, state)
+        mgr.save(5, state)
+        assert (made, compared, len(global_plans)) == ([1, 1], [1], 2)
+        assert (
+            read_metadata(mgr.root / "step_5").state_dict_metadata["model.w"].properties.dtype
+            == torch.bfloat16
+        )
+        state["model"]["b"] = torch.randn(3, 1)  # another shape under the same name
+        mgr.save(6, state)
+        assert read_metadata(mgr.root / "step_6").state_dict_metadata["model.b"].size == torch.Size([3, 1])
+    assert same(safeckpt.load(tmp_path / "ckpt"), {"model": {"w": w, "b": state["model"]["b"]}})

@@ -19,17 +19,43 @@ So each :class:`SavePlans` has its own key, a local plan counts as unchanged
 only when it is equal in every field, and a rank that sent its plan always
 gets its whole final plan back (DCP's comparison of final plans is as loose).
 The planner also flattens the state itself (``dcp_nesting.flatten_nested``).
+
+A state of plain tensors (what the manager's staging hands over) is planned
+here rather than by DCP's helpers, to the same items: a few microseconds per
+tensor instead of tens, with one :class:`TensorProperties` object per kind of
+tensor and one size object per tensor, shared. ``.metadata`` then pickles them
+once (10,000 tensors: 150 ms to pickle and 85 ms to unpickle with DCP's
+objects, 90 and 60 ms shared). And while the inputs of that plan (names, shapes,
+dtypes, layouts, ``requires_grad``, pinning, the flattening's mappings) are what
+the cached plan was made from, the plan is neither made again nor compared:
+for 10,000 tensors that was 0.36 s of Python per save, on the writer's thread,
+holding the GIL beside training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import operator
 import uuid
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from .dcp_nesting import flatten_nested
 from .errors import CheckpointError
@@ -56,22 +82,26 @@ class SavePlans:
 
     def __init__(self) -> None:
         self.key = f"safeckpt-{uuid.uuid4().hex}"
+        self.inputs: _Inputs | None = None  # what the cached local plan was made from (plain tensors)
 
     def planner(self) -> SavePlanner:
         """The planner for the next save."""
-        return _SafeSavePlanner(self.key, caching=CACHING)
+        return _SafeSavePlanner(self, caching=CACHING)
 
     def forget(self) -> None:
+        self.inputs = None
         for name in _CACHES:
             getattr(SavePlanner, name, {}).pop(self.key, None)
 
 
 class _SafeSavePlanner(DefaultSavePlanner):
-    def __init__(self, key: str, *, caching: bool) -> None:
+    def __init__(self, plans: SavePlans, *, caching: bool) -> None:
         super().__init__(**({"enable_plan_caching": True} if caching else {}))
         self._caching = caching
-        self._cached_plans_key = key
+        self._plans = plans
+        self._cached_plans_key = plans.key
         self._unpromoted: SavePlan | None = None  # this save's new local plan, until it is planned
+        self._inputs: _Inputs | None = None  # what it was made from
 
     def set_up_planner(
         self,
@@ -88,20 +118,44 @@ class _SafeSavePlanner(DefaultSavePlanner):
         self.state_dict, self.mappings = flat
 
     def create_local_plan(self) -> SavePlan:
+        inputs = _inputs(self.state_dict, self.is_coordinator, self.mappings)
         if not self._caching:
-            return super().create_local_plan()
+            return self._new_local_plan(inputs)
         cache, key = SavePlanner._cached_save_plan, self._cached_plans_key
         # Without a cached plan DCP plans in full; the strict comparison is ours.
         previous = cache.pop(key, None)
-        plan = super().create_local_plan()
+        if previous is not None and inputs is not None and inputs == self._plans.inputs:
+            cache[key] = previous  # made from these very inputs: the same plan
+            return SavePlan([], usable=False)
+        plan = self._new_local_plan(inputs)
         # Some torch releases cache it right here; it is cached only once the global plan
         # succeeded (finish_plan), else a failed save would leave it for the next one to reuse.
         cache.pop(key, None)
         if previous is not None and _same(plan, previous):
             cache[key] = previous
+            self._plans.inputs = inputs
             return SavePlan([], usable=False)
-        self._unpromoted = plan
+        self._unpromoted, self._inputs = plan, inputs
         return plan
+
+    def _new_local_plan(self, inputs: _Inputs | None) -> SavePlan:
+        """DCP's local plan: made here for a state of plain tensors (:func:`_plain_items`), else by DCP."""
+        if inputs is None:
+            return super().create_local_plan()
+        plan = SavePlan(_plain_items(self.state_dict, inputs))
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        # DCP's lookup builds a torch.Size per item to check a plain tensor's zero offsets.
+        obj = self.state_dict.get(write_item.index.fqn)
+        offset = write_item.index.offset
+        plain = type(obj) in _PLAIN and write_item.type is WriteItemType.TENSOR and offset is not None
+        if plain and len(offset) == obj.dim() and not any(offset):
+            return obj
+        return super().resolve_data(write_item)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if not self._caching:
@@ -128,6 +182,7 @@ class _SafeSavePlanner(DefaultSavePlanner):
         finished = super().finish_plan(new_plan)
         if self._caching and self._unpromoted is not None:
             SavePlanner._cached_save_plan[self._cached_plans_key] = self._unpromoted
+            self._plans.inputs = self._inputs
         return finished
 
 
@@ -137,3 +192,40 @@ def _same(plan: SavePlan, other: SavePlan) -> bool:
         and plan.planner_data == other.planner_data
         and plan.storage_data == other.storage_data
     )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these types: no DTensor, no subclass
+_Inputs = tuple[Any, ...]
+_KIND = operator.attrgetter("dtype", "layout", "requires_grad")
+
+
+def _inputs(state_dict: dict[str, Any], is_coordinator: bool, mappings: Any) -> _Inputs | None:
+    """All that DCP's local plan of ``state_dict`` depends on, if every value is a plain tensor
+    (None otherwise: DCP plans it). Compared by value: a tensor cast in place is a new plan."""
+    values = list(state_dict.values())
+    if not all(type(v) in _PLAIN for v in values):
+        return None
+    sizes = [v.size() for v in values]
+    pinned = list(map(torch.Tensor.is_pinned, values))
+    return (is_coordinator, tuple(state_dict), sizes, list(map(_KIND, values)), pinned, mappings)
+
+
+def _plain_items(state_dict: dict[str, Any], inputs: _Inputs) -> list[WriteItem]:
+    """The write items of DCP's ``_create_write_item_for_tensor`` for each tensor, equal to its,
+    with each kind's ``TensorProperties`` and the chunks' zero offsets of each rank one shared
+    object (a ``MetadataIndex`` makes its own copy of the offsets)."""
+    _, _, sizes, kinds, pinned, _ = inputs
+    properties: dict[tuple[Any, ...], TensorProperties] = {}
+    zeros: dict[int, torch.Size] = {}
+    items = []
+    for (fqn, tensor), size, kind, pin in zip(state_dict.items(), sizes, kinds, pinned, strict=True):
+        props = properties.get((*kind, pin))
+        if props is None:
+            props = properties[(*kind, pin)] = TensorProperties.create_from_tensor(tensor)
+        zero = zeros.get(len(size))
+        if zero is None:
+            zero = zeros[len(size)] = torch.Size([0] * len(size))
+        chunk = ChunkStorageMetadata(offsets=zero, sizes=size)
+        data = TensorWriteData(chunk=chunk, properties=props, size=size)
+        items.append(WriteItem(index=MetadataIndex(fqn, zero), type=WriteItemType.TENSOR, tensor_data=data))
+    return items
