@@ -495,3 +495,30 @@ def test_prefetch_asks_the_kernel_for_the_ranks_shard_and_leaves_anything_else_a
     early_read.prefetch(tmp_path, 7)  # no such rank's file
     time.sleep(0.2)
     assert len(advised) == 1
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 5),
+        torch.tensor(2.5),
+        torch.empty(0, 3),
+        torch.rand(9) > 0.5,
+        torch.randn(4, 6).t(),  # strided over its whole storage: the storage's order, not the tensor's
+        torch.randn(7).bfloat16(),  # numpy has no bfloat16
+        torch.randn(2, 3, dtype=torch.complex64),
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        *([torch.randn(5).to(torch.float8_e4m3fn)] if hasattr(torch, "float8_e4m3fn") else []),
+    ],
+    ids=lambda t: f"{t.dtype}-{tuple(t.shape)}-{t.stride()}",
+)
+def test_an_archive_holds_the_bytes_of_the_tensors_whole_storage(tensor: torch.Tensor) -> None:
+    whole = archive._bytes_of(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
+    assert bytes(archive._storage_bytes(tensor)) == bytes(whole)
+    out = io.BytesIO()
+    archive._ArchiveWriter().write(out, tensor)
+    loaded = torch.load(io.BytesIO(out.getvalue()), weights_only=True)
+    assert (loaded.dtype, loaded.shape, loaded.stride()) == (tensor.dtype, tensor.shape, tensor.stride())
+    assert bytes(
+        archive._bytes_of(torch.empty(0, dtype=torch.uint8).set_(loaded.untyped_storage()))
+    ) == bytes(whole)

@@ -125,26 +125,39 @@ class _Template:
 
     def write(self, stream: IO[bytes], data: memoryview, *records: bytes) -> int:
         """Write an archive of this layout holding ``data`` (and these varying records); its length."""
+        return self.write_with(stream, data, self.records_tail(*records))
+
+    def write_with(self, stream: IO[bytes], data: memoryview, records_tail: bytes) -> int:
+        """:meth:`write`, with the other varying records patched in already (:meth:`records_tail`)."""
         if len(data) != self.data_size:
             raise ValueError(f"a template for {self.data_size} bytes got {len(data)}")
         stream.write(self.head)
         crc = _write_data(stream, data)
-        stream.write(self.tail(crc, *records))
+        out = bytearray(records_tail)
+        for at in self._patches[0][0]:
+            struct.pack_into("<I", out, at, crc)
+        stream.write(out)
         return self.length
 
     def tail(self, crc: int, *records: bytes) -> bytearray:
         """The tail for a tensor of CRC32 ``crc`` and these bytes of the other varying records."""
-        out = bytearray(self._tail)
-        values = [(crc, None), *((crc32(r), r) for r in records)]
-        for (crc_at, position, size), (value, data) in zip(self._patches, values, strict=True):
-            for at in crc_at:
-                struct.pack_into("<I", out, at, value)
-            if data is not None:
-                assert position is not None
-                if len(data) != size:
-                    raise ValueError(f"a varying record of {size} bytes got {len(data)}")
-                out[position : position + size] = data
+        out = bytearray(self.records_tail(*records))
+        for at in self._patches[0][0]:
+            struct.pack_into("<I", out, at, crc)
         return out
+
+    def records_tail(self, *records: bytes) -> bytes:
+        """The tail with these bytes of the varying records after the tensor, and their CRC32s, in
+        place; the tensor's CRC32 still to patch (a writer whose records stay the same makes it once)."""
+        out = bytearray(self._tail)
+        for (crc_at, position, size), data in zip(self._patches[1:], records, strict=True):
+            assert position is not None
+            if len(data) != size:
+                raise ValueError(f"a varying record of {size} bytes got {len(data)}")
+            for at in crc_at:
+                struct.pack_into("<I", out, at, crc32(data))
+            out[position : position + size] = data
+        return bytes(out)
 
 
 def _data_start(entry: _Entry) -> int:
