@@ -131,12 +131,14 @@ class _Template:
         """:meth:`write`, with the other varying records patched in already (:meth:`records_tail`)."""
         if len(data) != self.data_size:
             raise ValueError(f"a template for {self.data_size} bytes got {len(data)}")
-        stream.write(self.head)
-        crc = _write_data(stream, data)
+        small = len(data) < _SMALL
+        if not small:
+            stream.write(self.head)
+        crc = crc32(data) if small else _write_data(stream, data)
         out = bytearray(records_tail)
         for at in self._patches[0][0]:
             struct.pack_into("<I", out, at, crc)
-        stream.write(out)
+        stream.write(b"".join((self.head, data, out)) if small else out)  # a small archive: one write
         return self.length
 
     def tail(self, crc: int, *records: bytes) -> bytearray:
@@ -210,13 +212,15 @@ class _Recording:
 class _ChecksummedStream:
     """A write stream that keeps the CRC32 segments of what passes through (one per DCP item).
 
-    Small writes (headers, ``data.pkl``, the central directory) are joined and
-    written together: an archive of a small tensor costs one write, not fifty.
+    Small writes (headers, ``data.pkl``, the central directory, whole archives of
+    small tensors) are joined and written together, up to ``_SMALL`` bytes: a
+    cut between items checksums what is pending and leaves it pending.
     """
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
         self._pending = bytearray()
+        self._fed = 0  # bytes of _pending the recorder has seen
         self.recorder = SegmentRecorder()
 
     def write(self, data: Any) -> int:
@@ -226,6 +230,8 @@ class _ChecksummedStream:
             self.recorder.feed(view)
             return self._stream.write(view)
         self._pending += view
+        if len(self._pending) >= _SMALL:
+            self._flush_pending()
         return len(view)
 
     def write_unchecksummed(self, data: memoryview) -> int:
@@ -238,7 +244,7 @@ class _ChecksummedStream:
 
     def cut(self) -> None:
         """End the current segment (one per DCP item) at the current position."""
-        self._flush_pending()
+        self._feed_pending()
         self.recorder.cut()
 
     def tell(self) -> int:
@@ -248,11 +254,17 @@ class _ChecksummedStream:
         self._flush_pending()
         self._stream.flush()
 
+    def _feed_pending(self) -> None:
+        if self._fed < len(self._pending):
+            self.recorder.feed(memoryview(self._pending)[self._fed :])
+            self._fed = len(self._pending)
+
     def _flush_pending(self) -> None:
         if self._pending:
-            self.recorder.feed(self._pending)
+            self._feed_pending()
             self._stream.write(self._pending)
             self._pending = bytearray()
+            self._fed = 0
 
 
 def _write_directory(stream: IO[bytes], start: int, entries: Sequence[_Entry]) -> None:
