@@ -272,6 +272,18 @@ _last_parsed_lock = threading.Lock()  # both, and _keeping
 _keeping = 0  # parsed_kept scopes open
 
 
+def _reset_in_child() -> None:
+    # A child forked by another thread during a read has no one to end its scope.
+    global _keeping, _last_parsed_lock
+    _last_parsed_lock = threading.Lock()  # it may have been held by a thread the child does not have
+    _keeping = 0
+    _forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
 class _RestrictedMetadata:
     """Reads ``.metadata`` through the restricted unpickler (mixed into a DCP reader)."""
 
