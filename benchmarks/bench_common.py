@@ -18,6 +18,7 @@ merges over its 3 interleaved runs into the blocks of ``docs/performance.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import platform
@@ -70,6 +71,7 @@ def wrap(owner: Any, name: str, label: str, spent: dict[str, float]) -> Callable
     ``spent`` a ``defaultdict(float)``); returns the copy."""
     original: Callable[..., Any] = getattr(owner, name)
 
+    @functools.wraps(original)  # callers that inspect the signature (DCP's planners) see the original's
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
