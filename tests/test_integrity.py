@@ -180,8 +180,9 @@ def test_no_fresh_start_from_a_state_a_damaged_checkpoint_filled_in_part(root: P
         mgr.restore(state)
     assert "holds part of a damaged checkpoint" in str(info.value) and "step(s) 2" in str(info.value)
     assert info.value.step == 2 and (root / "step_2").is_dir()  # nothing saved is removed
-    with CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError):
+    with CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError) as corrupt:
         mgr.restore(state, step=2)  # an explicit step keeps raising what it found
+    assert any("step 2 filled part of it in place" in note for note in corrupt.value.__notes__)
     # damage found before anything of the state changes (the train-state file) is a fresh start
     fresh_root = root.parent / "other"
     with CheckpointManager(fresh_root, async_save=False) as mgr:

@@ -109,7 +109,13 @@ class ResumePath:
                     )
                 except _WRITE_ERRORS as e:
                     load_error = e
-                if self._skip_or_raise(load_error, what, record, auto):
+                try:
+                    skip = self._skip_or_raise(load_error, what, record, auto)
+                except BaseException:
+                    if began:  # an explicit step's error, too, says the state is no longer as it was
+                        filled.append(record.step)
+                    raise
+                if skip:
                     excluded.add(record.step)
                     if began:
                         filled.append(record.step)
