@@ -8,12 +8,14 @@ replaced atomically, so a reader sees a whole one).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import read_pointer
-from .errors import IncompleteCheckpointError, UnsafeCheckpointError
-from .layout import REPLACED, Layout, parse_step_dirname, parse_trash_name
+from .errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from .integrity import read_small
+from .layout import DAMAGED_NOTE, REPLACED, Layout, parse_step_dirname, parse_trash_name
 from .record import Record, missing_or_wrong_files, read_record
 
 
@@ -53,6 +55,8 @@ class Catalog:
     latest_name: str | None
     staging: tuple[Path, ...] = field(default=())
     trash: tuple[Path, ...] = field(default=())
+    damaged: tuple[Path, ...] = field(default=())
+    """Checkpoints auto-resume found unloadable and moved aside (``.damaged/``): never loaded."""
 
     @property
     def committed(self) -> dict[int, Entry]:
@@ -105,6 +109,7 @@ def scan(root: Path) -> Catalog:
         latest_name=read_pointer(layout.latest_path),
         staging=tuple(layout.staging_entries()),
         trash=trash,
+        damaged=tuple(layout.damaged_entries()),
     )
 
 
@@ -128,3 +133,12 @@ def verify_files(entry: Entry) -> list[str]:
         return [entry.problem or "no record"]
     problems = [entry.problem] if entry.problem else []
     return problems + missing_or_wrong_files(entry.path, entry.record)
+
+
+def damaged_note(path: Path) -> dict[str, object]:
+    """What the ``damaged.json`` note of a moved-aside checkpoint says (empty when it has none)."""
+    try:
+        data = json.loads(read_small(path / DAMAGED_NOTE, limit=64 << 10, what="damage note"))
+    except (OSError, ValueError, CheckpointError):
+        return {}
+    return data if isinstance(data, dict) else {}

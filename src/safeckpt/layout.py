@@ -5,6 +5,9 @@
 <root>/.staging/<name>    a save in progress: step_<N>.<token>
 <root>/.trash/<name>      removed checkpoints waiting for deletion:
                           step_<N>.<pruned|replaced|abandoned>.<token>
+<root>/.damaged/<name>    checkpoints auto-resume found unloadable, moved aside for
+                          inspection: step_<N>.<token>, with ``damaged.json`` inside
+                          saying why; never loaded, never pruned, removed by ``gc``
 <root>/.lock              the inter-process sidecar lock
 """
 
@@ -22,6 +25,8 @@ RECORD_NAME = "metadata.json"
 LATEST_NAME = "latest"
 STAGING_NAME = ".staging"
 TRASH_NAME = ".trash"
+DAMAGED_NAME = ".damaged"
+DAMAGED_NOTE = "damaged.json"  # inside a moved-aside checkpoint: why, when, what it was
 LOCK_NAME = ".lock"
 DATA_SUFFIX = ".distcp"  # a rank's tensor data, as DCP names it: __<rank>_<n>.distcp
 
@@ -33,6 +38,7 @@ ABANDONED = "abandoned"  # a staging leftover of an interrupted save
 
 _STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 _STAGING_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.([0-9a-f]{12})$")
+_DAMAGED_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.([0-9a-f]{12})$")
 _TRASH_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.(pruned|replaced|abandoned)\.([0-9a-f]{12})$")
 
 
@@ -57,6 +63,12 @@ def parse_staging_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def parse_damaged_name(name: str) -> int | None:
+    """The step of a moved-aside damaged checkpoint, or None for a name safeckpt did not make."""
+    match = _DAMAGED_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def _token() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -74,6 +86,10 @@ class Layout:
     @property
     def trash(self) -> Path:
         return self.root / TRASH_NAME
+
+    @property
+    def damaged(self) -> Path:
+        return self.root / DAMAGED_NAME
 
     @property
     def lock_path(self) -> Path:
@@ -95,6 +111,9 @@ class Layout:
     def new_trash_path(self, step: int, reason: str) -> Path:
         return self.trash / f"{step_dirname(step)}.{reason}.{_token()}"
 
+    def new_damaged_path(self, step: int) -> Path:
+        return self.damaged / f"{step_dirname(step)}.{_token()}"
+
     def committed_dirs(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every ``step_<N>`` directory, sorted by step.
 
@@ -113,13 +132,17 @@ class Layout:
     def trash_entries(self) -> list[Path]:
         return sorted(Path(e.path) for e in _scandir(self.trash))
 
+    def damaged_entries(self) -> list[Path]:
+        """Moved-aside damaged checkpoints (only names safeckpt made)."""
+        return sorted(Path(e.path) for e in _scandir(self.damaged) if parse_damaged_name(e.name) is not None)
+
     def check_private_dirs(self) -> None:
         """Raise unless ``.staging`` and ``.trash`` are real directories of this root (or absent).
 
         Everything in them is deleted eventually: through a symlink that would
         delete another directory's contents.
         """
-        for path in (self.staging, self.trash):
+        for path in (self.staging, self.trash, self.damaged):
             if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
                 raise UnsafeCheckpointError(
                     f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a directory'}; "
