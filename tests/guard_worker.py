@@ -78,17 +78,18 @@ def restore_mismatch_on_rank1(rank: int, root: Path) -> dict[str, Any]:
     """Only rank 1's state has a key the checkpoint lacks: rank 0 alone would go on into DCP's
     collective load. Afterwards the ranks are still in step: a restore that matches succeeds."""
     out: dict[str, Any] = {}
-    with CheckpointManager(root, async_save=False, timeout=TIMEOUT) as mgr:
-        mgr.save(1, filled(1))
-        state = filled(0)
-        if rank == 1:
-            state["extra"] = torch.zeros(3)
-        out["auto"] = attempt(lambda: mgr.restore(state))
-        out["explicit"] = attempt(lambda: mgr.restore(state, step=1))
-        out["untouched"] = float(state["w"][0]) == 0.0 and state["step_count"] == 0
-        fresh = filled(0)
-        out["after"] = attempt(lambda: mgr.restore(fresh))
-        out["restored"] = [float(fresh["w"][0]), fresh["step_count"]]
+    mgr = CheckpointManager(root, async_save=False, timeout=TIMEOUT)
+    mgr.save(1, filled(1))
+    state = filled(0)
+    if rank == 1:
+        state["extra"] = torch.zeros(3)
+    out["auto"] = attempt(lambda: mgr.restore(state))
+    out["explicit"] = attempt(lambda: mgr.restore(state, step=1))
+    out["untouched"] = float(state["w"][0]) == 0.0 and state["step_count"] == 0
+    fresh = filled(0)
+    out["after"] = attempt(lambda: mgr.restore(fresh))
+    out["restored"] = [float(fresh["w"][0]), fresh["step_count"]]
+    out["close"] = attempt(mgr.close)
     return out
 
 

@@ -125,7 +125,7 @@ def free_port() -> int:
 
 
 def launch(scenario: str, tmp_path: Path, ws: int = 2) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``ws`` gloo ranks; each rank's result, in rank order."""
+    """Run ``scenario`` on ``ws`` gloo ranks; each rank's report, in rank order."""
     results = tmp_path / "results"
     results.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -141,13 +141,17 @@ def launch(scenario: str, tmp_path: Path, ws: int = 2) -> list[dict[str, Any]]:
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-    out = []
+    reports = []
     for rank in range(ws):
         path = results / f"rank{rank}.json"
-        report = json.loads(path.read_text()) if path.exists() else {"exitcode": procs[rank].exitcode}
+        reports.append(json.loads(path.read_text()) if path.exists() else {"exitcode": procs[rank].exitcode})
+    return reports
+
+
+def results_of(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for rank, report in enumerate(reports):
         assert report.get("ok"), f"rank {rank} failed: {report.get('traceback') or report}"
-        out.append(report["result"])
-    return out
+    return [report["result"] for report in reports]
 
 
 def same_error_everywhere(
@@ -169,7 +173,7 @@ def same_error_everywhere(
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_a_root_only_rank_0_cannot_open_raises_on_every_rank(tmp_path: Path) -> None:
-    out = launch("open_fails_on_rank0", tmp_path)
+    out = results_of(launch("open_fails_on_rank0", tmp_path))
     error = same_error_everywhere([o["open"] for o in out], ConfigError, failing_rank=0)
     assert "is a file, not a directory" in error["message"]
 
@@ -177,7 +181,7 @@ def test_a_root_only_rank_0_cannot_open_raises_on_every_rank(tmp_path: Path) -> 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_a_pin_only_rank_0_refuses_raises_on_every_rank_and_the_ranks_stay_in_step(tmp_path: Path) -> None:
-    out = launch("pin_fails_on_rank0", tmp_path)
+    out = results_of(launch("pin_fails_on_rank0", tmp_path))
     error = same_error_everywhere([o["pin"] for o in out], CheckpointNotFoundError, failing_rank=0)
     assert "no checkpoint of step 7" in error["message"]
     assert [o["after"]["error"] for o in out] == [None, None]
@@ -196,13 +200,14 @@ def test_a_restore_only_rank_1_cannot_match_raises_on_every_rank_within_seconds(
 ) -> None:
     """Rank 0 must not go on into DCP's collective load (where it would wait for rank 1 until the
     timeout): both ranks raise rank 1's error, and nothing of either state changed."""
-    out = restore_mismatch
+    out = results_of(restore_mismatch)
     for call in ("auto", "explicit"):
         error = same_error_everywhere([o[call] for o in out], UnsupportedStateError)
         assert "'extra'" in error["message"]
     assert [o["untouched"] for o in out] == [True, True]
     assert [o["after"]["error"] for o in out] == [None, None]
     assert [o["restored"] for o in out] == [[1.0, 1], [1.0, 1]]
+    assert [o["close"]["error"] for o in out] == [None, None]
 
 
 @pytest.mark.distributed
@@ -215,7 +220,7 @@ def test_a_restore_only_rank_1_cannot_match_raises_on_every_rank_within_seconds(
 )
 def test_a_restore_only_rank_1_cannot_match_names_rank_1(restore_mismatch: list[dict[str, Any]]) -> None:
     for call in ("auto", "explicit"):
-        error = same_error_everywhere([o[call] for o in restore_mismatch], UnsupportedStateError)
+        error = same_error_everywhere([o[call] for o in results_of(restore_mismatch)], UnsupportedStateError)
         assert error["rank"] == 1, error
 
 
