@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from safeckpt import CheckpointManager
 
-TIMEOUT = 10.0  # the managers' rank timeout: a rank left waiting raises after this
+TIMEOUT = 20.0  # the managers' rank timeout: a rank left waiting raises after this
 
 
 def filled(step: int) -> dict[str, Any]:

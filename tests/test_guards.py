@@ -21,6 +21,7 @@ import pickle
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,9 @@ def launch(scenario: str, tmp_path: Path, ws: int = 2) -> list[dict[str, Any]]:
     ]
     for proc in procs:
         proc.start()
+    deadline = time.monotonic() + 60
     for proc in procs:
-        proc.join(45)
+        proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()
