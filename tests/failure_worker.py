@@ -123,9 +123,15 @@ def save_two_steps(rank: int, ws: int, root: Path, results: Path) -> dict[str, A
 
 
 def restore_past_damage(rank: int, ws: int, root: Path, results: Path) -> dict[str, Any]:
-    """Auto-resume, then an explicit restore of step 2 (whose rank-1 file the test damaged)."""
+    """An explicit restore of step 2 (whose rank-1 file the test damaged), then auto-resume."""
     out: dict[str, Any] = {}
     with CheckpointManager(root, timeout=60) as mgr:
+        started = time.monotonic()
+        try:
+            mgr.restore(filled(0), step=2)
+            out["explicit"] = {"error": None}
+        except Exception as e:
+            out["explicit"] = {"error": describe(e), "seconds": time.monotonic() - started}
         state = filled(0)
         started = time.monotonic()
         restored = mgr.restore(state)
@@ -135,12 +141,6 @@ def restore_past_damage(rank: int, ws: int, root: Path, results: Path) -> dict[s
             "w": float(state["w"][0]),
             "step_count": state["step_count"],
         }
-        started = time.monotonic()
-        try:
-            mgr.restore(filled(0), step=2)
-            out["explicit"] = {"error": None}
-        except Exception as e:
-            out["explicit"] = {"error": describe(e), "seconds": time.monotonic() - started}
         out["latest"] = mgr.latest_step
     return out
 

@@ -544,6 +544,10 @@ def test_a_damaged_rank1_file_falls_back_on_both_ranks_or_raises_the_same_error(
     assert error["rank"] == 1 and "train_state.rank1.safetensors" in error["message"]
     assert all(e["seconds"] < 30 for e in explicit)
     assert issubclass(getattr(safeckpt.errors, error["type"]), CheckpointError)
+    # auto-resume moved the damaged step aside, and every rank's view says so
+    assert [o["latest"] for o in out] == [1, 1]
+    assert not (root / "step_2").exists()
+    assert [p.name[:7] for p in (root / ".damaged").iterdir()] == ["step_2."]
 
 
 @pytest.mark.distributed

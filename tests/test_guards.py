@@ -214,12 +214,6 @@ def test_a_restore_only_rank_1_cannot_match_raises_on_every_rank_within_seconds(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore agrees twice: load_checkpoint's agree() raises rank 1's error (rank=1) on both "
-    "ranks, then ResumePath._skip_or_raise gathers that error from both ranks as if each had failed, "
-    "and agreed_error sets rank=None for a failure of several ranks; the error names no failing rank",
-)
 def test_a_restore_only_rank_1_cannot_match_names_rank_1(restore_mismatch: list[dict[str, Any]]) -> None:
     for call in ("auto", "explicit"):
         error = same_error_everywhere([o[call] for o in results_of(restore_mismatch)], UnsupportedStateError)

@@ -22,6 +22,7 @@ from faults import FaultyFileOps
 from safeckpt import (
     CheckpointError,
     CheckpointManager,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
@@ -352,9 +353,14 @@ def test_a_fifo_in_a_checkpoint_is_an_error_never_a_hang(root: Path, name: str) 
     assert verify(root)[2]  # reported, not hung
     assert scan(root).latest_step in (1, 2)
     with CheckpointManager(root) as mgr:
-        assert mgr.restore(make_state()).step == 1
         with pytest.raises((UnsafeCheckpointError, IncompleteCheckpointError)):
             mgr.restore(make_state(), step=2)
+        assert mgr.restore(make_state()).step == 1
+        if name == "metadata.json":  # no record: never a commit, so nothing to move aside
+            assert (root / "step_2").is_dir()
+        else:  # a commit auto-resume stepped over is moved aside; an explicit step says where it went
+            with pytest.raises(CheckpointNotFoundError, match="moved it aside"):
+                mgr.restore(make_state(), step=2)
     prune(root, Retention(keep_last=5))  # does not hang either
 
 

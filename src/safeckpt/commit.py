@@ -70,6 +70,7 @@ class CommitPath:
     _registration: RegistrationWorker | None
     registration_timeout: float
     _warned_diverging: set[str]  # keys warned about (safeckpt.replicas), once each
+    _held_for_registration: set[int]  # steps retention drops, kept while they register
 
     def _persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
@@ -334,12 +335,25 @@ class CommitPath:
     def _prune(self) -> None:
         """Rank 0: move committed checkpoints that retention drops into the trash.
 
-        Never the one ``latest`` names, one with a save in flight, or one pinned
-        (the pin is re-read from the record, as a ``safeckpt pin`` may have set it).
+        Never the one ``latest`` names, one with a save in flight, one pinned
+        (the pin is re-read from the record, as a ``safeckpt pin`` may have set it),
+        or one whose registration is queued or running (up to ``registration_timeout``
+        once it runs). What that holds back is pruned at a later commit or at ``close()``.
         """
         assert self._lock is not None
         self._refresh_pins()
-        drop = self._view.prune_plan(self._policy)
+        registering = self._registration.pending_steps() if self._registration is not None else frozenset()
+        drop = self._view.prune_plan(self._policy, held=registering)
+        if registering:
+            held = self._view.prune_plan(self._policy) - drop
+            if held - self._held_for_registration:
+                logger.info(
+                    "safeckpt: keeping step(s) %s until their registration ends",
+                    ", ".join(map(str, sorted(held))),
+                )
+            self._held_for_registration = set(held)
+        else:
+            self._held_for_registration = set()
         removed = []
         for step in sorted(drop):
             try:
@@ -351,6 +365,15 @@ class CommitPath:
             logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
             assert self._deleter is not None
             self._deleter.schedule()
+
+    def _prune_held_back(self) -> None:
+        """Rank 0 at ``close()``, after the registrations ended: prune what they held back."""
+        if not self._held_for_registration or self._deleter is None:
+            return
+        try:
+            self._prune()
+        except Exception as e:  # pruning never fails the job
+            logger.warning("safeckpt: pruning after the registrations ended failed: %s", e)
 
     def _refresh_pins(self) -> None:
         """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""

@@ -490,7 +490,7 @@ def load(
     except CheckpointException as e:
         # DCP wraps every rank's error in a CheckpointException (a BaseException); ours (a
         # refusal to run code, a checksum mismatch) must reach the caller as what it is.
-        ours = _our_failure(e)
+        ours = our_failure(e)
         if ours is not None:
             raise ours from e
         raise
@@ -537,7 +537,7 @@ def load_flat(
         raise CheckpointException("read_data", {0: failure}) from e
 
 
-def _our_failure(error: CheckpointException) -> CheckpointError | None:
+def our_failure(error: CheckpointException) -> CheckpointError | None:
     for _rank, failure in sorted(error.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, CheckpointError):

@@ -208,7 +208,11 @@ def agreed_error(failures: Mapping[int, BaseException], *, what: str, step: int 
     if len(distinct) == 1:
         rank, first = min(failures.items())
         if isinstance(first, CheckpointError):
-            first.rank = rank if len(failures) == 1 else None
+            named = {getattr(e, "rank", None) for e in failures.values()}
+            if len(failures) == 1:
+                first.rank = rank
+            elif len(named) != 1 or None in named:  # one error agreed on earlier keeps its rank
+                first.rank = None
             return first
     listing = "; ".join(f"rank {r}: {m}" for r, m in sorted(messages.items()))
     return RankAgreementError(

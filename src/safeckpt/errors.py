@@ -174,6 +174,26 @@ class RootInUseError(CheckpointError):
         self.owner = dict(owner or {})
 
 
+class RootNotWritableError(CheckpointError):
+    """The root cannot be written: it is read-only, full, under a file, not permitted, or the
+    manager was opened with ``read_only=True``. Nothing already saved was touched.
+
+    ``errno`` is the operating system's error number where there was one, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.errno = errno
+
+
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager was used after ``close()``."""
 

@@ -38,7 +38,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .fileops import DEFAULT_FILE_OPS
 from .layout import Layout
 from .record import Record
-from .restore import choose_checkpoint
+from .restore import choose_checkpoint, read_chosen
 
 logger = logging.getLogger(__name__)
 
@@ -168,22 +168,41 @@ def plan_export(
     (``"bf16"``, ``"fp16"``, ``"fp32"`` or a torch dtype); others keep theirs. ``shard_size``
     (bytes) bounds each file of the ``"hf"`` format; a larger tensor gets a file of its own.
     """
+    _check_options(format, shard_size)
+    target = _dtype(dtype)
+    layout = _run_root(root)
+    chosen = choose_checkpoint(layout, step, None)
+    if chosen is None:
+        raise _nothing_to_export(layout)
+    return _plan(*chosen, key=key, format=format, dtype=target, shard_size=shard_size)
+
+
+def _check_options(format: str, shard_size: int) -> None:
     if format not in FORMATS:
         raise ConfigError(f"format={format!r}: choose one of {', '.join(FORMATS)}.")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise ConfigError(f"shard_size={shard_size!r}: must be a positive number of bytes.")
-    target = _dtype(dtype)
+
+
+def _run_root(root: str | os.PathLike[str]) -> Layout:
     layout = Layout(Path(root).absolute())
     if not layout.root.is_dir():
         raise CheckpointNotFoundError(f"{root} does not exist or is not a directory.", path=str(layout.root))
-    chosen = choose_checkpoint(layout, step, None)
-    if chosen is None:
-        raise CheckpointNotFoundError(
-            f"{layout.root} has no complete checkpoint to export; `safeckpt ls {layout.root}` shows "
-            "what is there.",
-            path=str(layout.root),
-        )
-    directory, record = chosen
+    return layout
+
+
+def _nothing_to_export(layout: Layout) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{layout.root} has no complete checkpoint to export; `safeckpt ls {layout.root}` shows "
+        "what is there.",
+        path=str(layout.root),
+    )
+
+
+def _plan(
+    directory: Path, record: Record, *, key: str, format: str, dtype: torch.dtype | None, shard_size: int
+) -> ExportPlan:
+    """The output of ``directory``'s tensors under ``key``, from its ``.metadata`` alone."""
     metadata = dcp_io.read_metadata(directory)
     prefix = f"{key}."
     tensors = []
@@ -197,7 +216,7 @@ def plan_export(
                 "not supported.",
                 path=str(directory),
             )
-        out = target if target is not None and saved.is_floating_point else saved
+        out = dtype if dtype is not None and saved.is_floating_point else saved
         tensors.append(ExportTensor(fqn[len(prefix) :], fqn, saved, out, tuple(meta.size)))
     if not tensors:
         keys = sorted({fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata})
@@ -207,6 +226,34 @@ def plan_export(
         )
     shards = [tensors] if format == SAFETENSORS else _pack(tensors, shard_size)
     return ExportPlan(directory, record.step, key, format, tuple(tuple(s) for s in shards), record)
+
+
+def export_chosen(
+    root: str | os.PathLike[str],
+    write: Callable[[ExportPlan], ExportResult],
+    *,
+    step: int | None = None,
+    key: str = "model",
+    format: str = SAFETENSORS,
+    dtype: str | torch.dtype | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+) -> ExportResult:
+    """Plan the export of the checkpoint auto-resume would take (or ``step``) and ``write`` it.
+
+    Chosen as auto-resume chooses: damage found while writing falls back to the
+    commit before (with ``step``, it raises), and a checkpoint replaced or
+    pruned meanwhile is chosen anew. ``write`` replaces an earlier attempt's
+    output, which never appears (outputs appear whole or not at all).
+    """
+    _check_options(format, shard_size)
+    target = _dtype(dtype)
+    layout = _run_root(root)
+
+    def attempt(directory: Path, record: Record) -> ExportResult:
+        plan = _plan(directory, record, key=key, format=format, dtype=target, shard_size=shard_size)
+        return write(plan)
+
+    return read_chosen(layout, step, None, attempt, nothing=lambda: _nothing_to_export(layout))
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -242,10 +289,17 @@ def export_weights(
     progress: Callable[[int], None] | None = None,
     read_budget: int = DEFAULT_READ_BUDGET,
 ) -> ExportResult:
-    """Write the weights of ``root``'s checkpoint to ``out``: :func:`plan_export`, then
+    """Write the weights of ``root``'s checkpoint to ``out``: :func:`export_chosen` with
     :func:`write_export`. ``progress(n)`` is called with byte counts as tensors are written."""
-    plan = plan_export(root, step=step, key=key, format=format, dtype=dtype, shard_size=shard_size)
-    return write_export(plan, out, force=force, progress=progress, read_budget=read_budget)
+    return export_chosen(
+        root,
+        lambda plan: write_export(plan, out, force=force, progress=progress, read_budget=read_budget),
+        step=step,
+        key=key,
+        format=format,
+        dtype=dtype,
+        shard_size=shard_size,
+    )
 
 
 @dcp_io.parsed_kept()  # each group's load reads the same .metadata

@@ -447,33 +447,44 @@ def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = N
     back as their ``state_dict()``, optimizers as the FQN-keyed dict of
     ``get_optimizer_state_dict`` (load it with ``set_optimizer_state_dict``),
     ``Stateful`` objects as their ``state_dict()``. Verified like ``restore``
-    (committed, files as recorded, checksums) and pickle-free. Not collective:
-    each caller reads the whole checkpoint. Raises
+    (committed, files as recorded, checksums) and pickle-free, and chosen as
+    auto-resume chooses: damage found while reading the newest checkpoint falls
+    back to the one before (an explicit ``step`` or directory raises it), and a
+    checkpoint replaced or pruned while it is read is chosen anew. Not
+    collective: each caller reads the whole checkpoint. Raises
     :class:`~safeckpt.CheckpointNotFoundError` when there is nothing to load.
     """
     from .errors import CheckpointNotFoundError, ConfigError
     from .layout import Layout
-    from .restore import choose_checkpoint, verify_checkpoint
+    from .restore import read_chosen
 
     path = Path(root_or_checkpoint_dir).absolute()
+    given: Path | None = None
     if (path / "metadata.json").exists():
         if step is not None:
             raise ConfigError(f"load({path}): a checkpoint directory takes no step=; pass the run root.")
-        directory = path
-        record = verify_checkpoint(directory)
-    else:
-        found = choose_checkpoint(Layout(path), step, None)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"there is no complete checkpoint in {path} to load. Pass a run root or a step_<N> "
-                "directory that `safeckpt ls` lists.",
-                path=str(path),
-            )
-        directory, record = found
+        given, path = path, path.parent
+
+    def nothing() -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(
+            f"there is no complete checkpoint in {path} to load. Pass a run root or a step_<N> "
+            "directory that `safeckpt ls` lists.",
+            path=str(path),
+        )
+
+    return read_chosen(Layout(path), step, given, _load_template_free, nothing=nothing)
+
+
+class _TemplateNeededError(IncompleteCheckpointError, UnsupportedStateError):
+    """A whole checkpoint that only a restore into a template can read: not damage, so no
+    fallback past it (an ``UnsupportedStateError`` is never stepped over)."""
+
+
+def _load_template_free(directory: Path, record: Any) -> dict[Any, Any]:
     metadata = dcp_io.read_metadata(directory, record=record)
     tree, _ = read_tree(directory, record, None)
     if isinstance(tree, Legacy):
-        raise IncompleteCheckpointError(
+        raise _TemplateNeededError(
             f"{directory} was written by safeckpt 0.1, whose files safeckpt.load cannot rebuild "
             "without a template; restore it into your model and optimizer with "
             "CheckpointManager.restore.",

@@ -126,19 +126,34 @@ class SidecarLock:
         lock.thread_lock.release()
 
     def _flock(self, deadline: float) -> None:
-        fd = self._lock.open_fd()
         delay = 0.001
         while True:
+            fd = self._lock.open_fd()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise
+            else:
+                if self._names_our_file(fd):
+                    return
+                # The lock file was removed or replaced (the root deleted by hand): a lock on the
+                # old file excludes nobody who opens the new one. Lock the file the path names.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                self._lock.close_fd()
+                continue
             if time.monotonic() >= deadline:
                 raise self._timeout_error()
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def _names_our_file(self, fd: int) -> bool:
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _timeout_error(self) -> LockTimeoutError:
         return LockTimeoutError(

@@ -98,7 +98,13 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         save_rng: save and restore the Python, numpy, torch and CUDA RNG states.
         drain_timeout: how long ``close()`` keeps retrying deletions of pruned
             checkpoints (a slow NFS server can hold a ``.nfs`` file for seconds).
-        lock_timeout: how long to wait for the root's sidecar lock.
+        lock_timeout: how long to wait for the root's sidecar lock (held for moments by a
+            commit, a prune, or a ``safeckpt`` command). A root another live job writes is
+            :class:`RootInUseError` within seconds, whatever this says.
+        read_only: for jobs that only restore (evaluation, export): nothing is written,
+            ``save()`` and ``pin()`` raise :class:`RootNotWritableError`, and a root this
+            process cannot write is not warned about. Without it, such a root opens with a
+            WARNING naming the cause, restores work, and ``save()`` raises that error.
         timeout: how long ranks wait for each other before presuming one dead.
         registrar: told about each commit (rank 0), on its own thread after the
             commit; its failure or slowness costs only the registration.
@@ -132,6 +138,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         retry_interval: float = 1.0,
         file_ops: FileOps | None = None,
         process_group: dist.ProcessGroup | None = None,
+        read_only: bool = False,
     ) -> None:
         positive_int("queue_depth", queue_depth)
         lock_timeout = positive_seconds("lock_timeout", lock_timeout)
@@ -147,6 +154,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         self.root = Path(root).absolute()
+        self.read_only = bool(read_only)
         self.async_save = async_save
         self.retention = retention if retention is not None else Retention()
         self.save_rng = save_rng
@@ -168,8 +176,12 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
 
         self._view = SaveView()
+        # Rank 0: commits auto-resume stepped over as damaged and has not moved aside yet (step ->
+        # directory, record, why); they do not count as the newest step for the order check.
+        self._unloadable: dict[int, tuple[Path, Any, str]] = {}
         self._seq = 0
         self._warned_diverging: set[str] = set()
+        self._held_for_registration: set[int] = set()
 
         self._lock: SidecarLock | None = None
         self._ownership: Ownership | None = None
@@ -181,7 +193,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
                 self._open_root(lock_timeout, retry_interval)
             except BaseException as e:
                 error = e
-        if error is None and self._parts.is_leader and registrar is not None:
+        if error is None and self._parts.is_leader and registrar is not None and not self.read_only:
             assert self._lock is not None
             self._registration = RegistrationWorker(
                 registrar, self._lock, self._ops, self.root, timeout=self.registration_timeout
@@ -244,7 +256,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
             clean = clean_metrics(metrics)
             check_json_value(dict(extra or {}), "extra")
             if self._parts.is_leader:
-                self._ensure_writer()
+                self._ensure_writer(f"save(step={step})")
                 self._check_order(step, overwrite)
             try:
                 with collector_paused():  # thousands of small objects: see safeckpt.collector
@@ -350,6 +362,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         if self._writer is not None:
             attempt(self._writer.close)
         attempt(self._close_registration)
+        attempt(self._prune_held_back)
         self._plans.forget()
         if self._deleter is not None:
             deleter = self._deleter
@@ -393,7 +406,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
             )
 
     def _check_order(self, step: int, overwrite: bool) -> None:
-        newest = self._view.newest_step()
+        newest = self._view.newest_step(ignore=self._unloadable)
         if newest is not None and step < newest and not overwrite:
             raise InvalidSaveError(
                 f"save(step={step}): step {newest} is already saved in {self.root}, and saving an "

@@ -8,8 +8,10 @@ The protocol (also in ``docs/format.md``):
   orphans) and repairs ``latest``. Where a live owner is writing, the manager
   is a *reader*: it collects nothing and writes nothing, and can restore.
 * The first ``save()`` (or ``pin``) makes the claim a writing one. If another
-  live process is writing, it waits up to ``lock_timeout`` and then raises
-  :class:`RootInUseError`. It never touches that owner's staging or trash.
+  live process is writing, it raises :class:`RootInUseError` within
+  ``LIVE_OWNER_GRACE`` seconds (the grace covers an owner that is closing
+  right then). It never touches that owner's staging or trash. Opening such a
+  root warns, naming the owner.
 * An owner is dead when it ran on this host and its process is gone (pid and
   process start time checked), or, from another host, when its heartbeat is
   older than ``stale_after``. The deleter thread refreshes the heartbeat.
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 OWNER_NAME = ".owner"
 HEARTBEAT_EVERY = 10.0
 STALE_AFTER = 120.0
+LIVE_OWNER_GRACE = 3.0
 _POLL = 0.25
 
 
@@ -193,9 +196,13 @@ class Ownership:
             self.writing = self.writing or writing
             return True
 
-    def claim_for_writing(self, timeout: float) -> None:
-        """Make this process the root's writer, waiting up to ``timeout`` s for a live one to finish."""
-        deadline = time.monotonic() + timeout
+    def claim_for_writing(self, grace: float = LIVE_OWNER_GRACE) -> None:
+        """Make this process the root's writer, or raise :class:`RootInUseError` after ``grace`` s.
+
+        Only a live owner refuses a claim, and a live owner rarely ends within
+        seconds: waiting longer would only stall training before the same error.
+        """
+        deadline = time.monotonic() + grace
         while not self.try_claim(writing=True):
             if time.monotonic() >= deadline:
                 owner = read_owner(self._root)
@@ -220,19 +227,34 @@ class Ownership:
         """Refresh the heartbeat if due and the root is still ours (from the deleter thread)."""
         if not self.claimed or time.monotonic() - self._last_beat < HEARTBEAT_EVERY:
             return
-        with self._lock:
-            if self.still_ours():
-                self._write(self._record(self.writing))
-            else:
-                self.claimed = self.writing = False
+        try:
+            with self._lock:
+                if self.still_ours():
+                    self._write(self._record(self.writing))
+                else:
+                    self.claimed = self.writing = False
+        except OSError as e:  # a full disk or a removed root: the next save() says what it is
+            logger.debug("safeckpt: could not refresh the heartbeat of %s: %s", self._root, e)
 
     def release(self) -> None:
-        """Give the root up (at ``close()``), if it is still ours."""
+        """Give the root up (at ``close()``), if it is still ours. Never raises ``OSError``.
+
+        A record left behind (a root that became read-only) names a process
+        that is gone, so the next opener takes the root over.
+        """
         if not self.claimed:
             return
-        with self._lock:
-            if self.still_ours():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._path)
-                    self._ops.fsync_dir(self._root)
+        try:
+            with self._lock:
+                if self.still_ours():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._path)
+                        self._ops.fsync_dir(self._root)
+        except OSError as e:
+            logger.warning(
+                "safeckpt: could not remove the owner record %s (%s); the next job to open the root "
+                "takes it over, as its owner is gone",
+                self._path,
+                e,
+            )
         self.claimed = self.writing = False

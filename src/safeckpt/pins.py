@@ -31,7 +31,7 @@ class Pins:
     _lock: SidecarLock | None
     _ops: FileOps
     _check_open: Callable[[], None]
-    _ensure_writer: Callable[[], None]
+    _ensure_writer: Callable[[str], None]
     _share_view: Callable[..., None]
     _prune: Callable[[], None]
 
@@ -57,7 +57,7 @@ class Pins:
         self._share_view(self._parts.control, what=what)
 
     def _set_pinned_here(self, step: int, pinned: bool) -> None:
-        self._ensure_writer()
+        self._ensure_writer(f"{'pin' if pinned else 'unpin'}({step})")
         assert self._lock is not None
         with self._lock:  # the commit of this step holds it too: a pin never falls between
             entry = self._view.get(step)

@@ -252,6 +252,7 @@ class RegistrationWorker:
         self._cond = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._current: CommitInfo | None = None
+        self._current_since = 0.0  # monotonic time the current registration began
         self._failed: OrderedDict[tuple[int, float], CommitInfo] = OrderedDict()
         self._closing = False
         self._abandoned = False
@@ -270,6 +271,22 @@ class RegistrationWorker:
             self._queue.append(info)
             self._saw_commit = self._saw_commit or not info.final
             self._cond.notify_all()
+
+    def pending_steps(self) -> frozenset[int]:
+        """Steps whose registration is queued or running: retention keeps them until it ends.
+
+        Empty once the running registration has taken longer than ``timeout``: a
+        hung registrar cannot keep checkpoints forever (its registration is then
+        likely to find its checkpoint pruned, and fails; ``safeckpt register``
+        cannot bring a pruned one back).
+        """
+        with self._cond:
+            if self._abandoned or self._closing:
+                return frozenset()
+            if self._current is not None and time.monotonic() - self._current_since > self.timeout:
+                return frozenset()
+            pending = [*self._queue, *([self._current] if self._current is not None else [])]
+            return frozenset(info.step for info in pending if not info.final)
 
     @property
     def saw_commit(self) -> bool:
@@ -356,6 +373,7 @@ class RegistrationWorker:
                     return
                 info = self._queue.popleft()
                 self._current = info
+                self._current_since = time.monotonic()
             try:
                 if not info.final:
                     self._retry_failed()

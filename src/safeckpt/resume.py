@@ -21,16 +21,37 @@ from .arguments import validate_or_none
 from .collector import collector_paused
 from .distributed import Participants, agreed_error
 from .distributed import portable as _portable
-from .errors import IncompleteCheckpointError
+from .errors import CheckpointError, IncompleteCheckpointError
+from .fileops import FileOps
+from .identity import Fate, fate_of
 from .layout import Layout
 from .loading import load as load_state
+from .lock import SidecarLock
+from .ownership import Ownership
+from .quarantine import move_aside
 from .record import Record
-from .restore import SKIPPABLE, check_own_files, choose_checkpoint, load_checkpoint
+from .restore import (
+    REREADS,
+    as_read_error,
+    check_own_files,
+    choose_checkpoint,
+    is_damage,
+    kept_changing,
+    load_checkpoint,
+    removed_while_read,
+)
 from .restored import Restored
+from .view import SaveView
 
 logger = logging.getLogger("safeckpt.manager")
 
 _WRITE_ERRORS = (Exception, CheckpointException)
+
+
+# What a failed attempt at one checkpoint leads to, the same on every rank.
+_LOADED = "loaded"
+_SKIP = "skip"  # damaged: auto-resume falls back past it
+_AGAIN = "again"  # replaced or removed under this reader: choose again
 
 
 class ResumePath:
@@ -40,8 +61,14 @@ class ResumePath:
     save_rng: bool
     _parts: Participants
     _layout: Layout
+    _view: SaveView
+    _lock: SidecarLock | None
+    _ownership: Ownership | None
+    _ops: FileOps
+    _unloadable: dict[int, tuple[Path, Record, str]]
     _check_open: Callable[[], None]
     _conclude: Callable[..., Any]
+    _share_view: Callable[..., None]
 
     @collector_paused()  # the record's and the plan's objects too, not only DCP's: see safeckpt.collector
     @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
@@ -63,86 +90,110 @@ class ResumePath:
 
         With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
         is committed and complete, else the newest complete one (with a warning);
-        nothing, and ``state`` untouched, when there is none. An explicit ``step`` or
-        ``path`` is loaded as is, or raises if it is missing or broken. Rank 0
-        decides which checkpoint, and every rank loads that one. ``strict``: every
-        key of ``state`` must be in the checkpoint and vice versa (else the result
-        lists what did not match). ``include``/``exclude``: dotted paths
-        (``"model"``, ``"optim.state"``) to load only, or to leave out (RNG states
-        are then left alone); see ``docs/state.md``.
+        nothing, and ``state`` untouched, when there is none. A checkpoint found
+        damaged is moved aside to ``.damaged/`` by the root's writer, so it never
+        counts as the newest step again. An explicit ``step`` or ``path`` is
+        loaded as is, or raises if it is missing or broken. A checkpoint replaced
+        or pruned while it is read (by the job writing the root) is chosen anew,
+        never reported as damage. Rank 0 decides which checkpoint, and every rank
+        loads that one. ``strict``: every key of ``state`` must be in the
+        checkpoint and vice versa (else the result lists what did not match).
+        ``include``/``exclude``: dotted paths (``"model"``, ``"optim.state"``) to
+        load only, or to leave out (RNG states are then left alone); see
+        ``docs/state.md``.
         """
         self._check_open()
-        parts = self._parts
+        step = validate_or_none(step)
         auto = step is None and path is None
         excluded: set[int] = set()
         filled: list[int] = []  # steps that failed while being read, after filling part of the state
+        rereads = 0
         try:
             while True:
-                choice = self._choose(validate_or_none(step), path, excluded)
+                choice = self._choose(step, path, excluded)
                 if choice is None:
                     if filled:  # not a fresh start: the state holds part of a damaged checkpoint
-                        break
+                        raise _partly_filled(self.root, filled)
+                    self._move_aside_unloadable()
                     logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
                     return Restored()
                 directory, record = choice
-                what = f"restore of step {record.step}"
-                # Each rank checks its own files first, so one rank's damaged file is the same error on
-                # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
-                own = _attempt(check_own_files, directory, record, parts.rank)
-                if self._skip_or_raise(own, what, record, auto):
-                    excluded.add(record.step)
-                    continue
-                report: Any = None
-                load_error: BaseException | None = None
                 began: list[bool] = []  # the state started to change (load_checkpoint's filling)
+                outcome = None
                 try:
-                    report = load_checkpoint(
-                        state,
-                        directory,
-                        record,
-                        parts,
-                        strict=strict,
-                        with_rng=self.save_rng,
-                        include=include,
-                        exclude=exclude,
-                        filling=functools.partial(began.append, True),
+                    outcome, report = self._try_load(
+                        state, directory, record, auto, began, strict=strict, include=include, exclude=exclude
                     )
-                except _WRITE_ERRORS as e:
-                    load_error = e
-                try:
-                    skip = self._skip_or_raise(load_error, what, record, auto)
-                except BaseException:
-                    if began:  # an explicit step's error, too, says the state is no longer as it was
+                finally:
+                    if began and outcome != _LOADED:
                         filled.append(record.step)
-                    raise
-                if skip:
+                if outcome == _LOADED:
+                    break
+                if outcome == _SKIP:
                     excluded.add(record.step)
-                    if began:
-                        filled.append(record.step)
+                    self._note_unloadable(directory, record, "its files failed their checks while loading")
                     continue
-                self._conclude(None, what=what, step=record.step)
-                logger.info("safeckpt: restored step %d from %s", record.step, directory)
-                missing = tuple(getattr(report, "missing", ()))
-                if filled and missing:
-                    logger.warning(
-                        "safeckpt: restored step %d, which lacks %s; these were filled in place from the "
-                        "damaged step %d before its damage was found, and may hold its damaged bytes. Set "
-                        "them anew before training on them.",
-                        record.step,
-                        ", ".join(repr(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else ""),
-                        filled[0],
-                    )
-                return Restored.from_record(
-                    record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
-                )
+                rereads += 1
+                if rereads > REREADS:
+                    raise kept_changing(directory, record)
         except Exception as e:  # a later attempt's error, or a refusal to fall back
             if filled:
                 e.add_note(
                     f"safeckpt: the state is not as it was: step {filled[0]} filled part of it in place "
                     "before its damage was found. Build it anew before training on it."
                 )
-            raise
-        raise _partly_filled(self.root, filled)
+            raise  # what failed stays where it is: the error tells the user what to move
+        self._conclude(None, what=f"restore of step {record.step}", step=record.step)
+        if auto:
+            self._move_aside_unloadable()
+        logger.info("safeckpt: restored step %d from %s", record.step, directory)
+        missing = tuple(getattr(report, "missing", ()))
+        if filled and missing:
+            logger.warning(
+                "safeckpt: restored step %d, which lacks %s; these were filled in place from the "
+                "damaged step %d before its damage was found, and may hold its damaged bytes. Set "
+                "them anew before training on them.",
+                record.step,
+                ", ".join(repr(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else ""),
+                filled[0],
+            )
+        return Restored.from_record(
+            record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
+        )
+
+    def _try_load(
+        self,
+        state: MutableMapping[str, Any],
+        directory: Path,
+        record: Record,
+        auto: bool,
+        began: list[bool],
+        **options: Any,
+    ) -> tuple[str, Any]:
+        """One attempt at one checkpoint on every rank: loaded, or what to do next (agreed)."""
+        parts = self._parts
+        what = f"restore of step {record.step}"
+        # Each rank checks its own files first, so one rank's damaged file is the same error on
+        # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+        own = _attempt(check_own_files, directory, record, parts.rank)
+        outcome = self._next_move(own, what, directory, record, auto)
+        if outcome != _LOADED:
+            return outcome, None
+        report: Any = None
+        load_error: BaseException | None = None
+        try:
+            report = load_checkpoint(
+                state,
+                directory,
+                record,
+                parts,
+                with_rng=self.save_rng,
+                filling=functools.partial(began.append, True),
+                **options,
+            )
+        except _WRITE_ERRORS as e:
+            load_error = as_read_error(e, directory, record)
+        return self._next_move(load_error, what, directory, record, auto), report
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
@@ -159,12 +210,16 @@ class ResumePath:
         """Rank 0 chooses; every rank gets the same choice, or the same error."""
         parts = self._parts
         if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
-            return choose_checkpoint(self._layout, step, path, exclude=excluded)
+            return choose_checkpoint(
+                self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
+            )
         choice: tuple[str, dict[str, Any]] | None = None
         error: BaseException | None = None
         if parts.is_leader:
             try:
-                found = choose_checkpoint(self._layout, step, path, exclude=excluded)
+                found = choose_checkpoint(
+                    self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
+                )
                 choice = None if found is None else (str(found[0]), found[1].to_json())
             except Exception as e:
                 error = e
@@ -178,24 +233,89 @@ class ResumePath:
         directory = Path(choice[0])
         return directory, Record.from_json(choice[1], path=str(directory))
 
-    def _skip_or_raise(self, error: BaseException | None, what: str, record: Record, auto: bool) -> bool:
-        """Agree on ``error``: False if every rank succeeded; True to fall back (auto-resume past
-        damage); else raise the same error on every rank."""
+    def _next_move(
+        self, error: BaseException | None, what: str, directory: Path, record: Record, auto: bool
+    ) -> str:
+        """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
+        was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume);
+        else raise the same error on every rank."""
         gathered = self._parts.gather(_portable(error), self._parts.control, what=what)
         failed = {rank: e for rank, e in enumerate(gathered) if e is not None}
         if not failed:
-            return False
-        if auto and all(isinstance(e, SKIPPABLE) for e in failed.values()):
+            return _LOADED
+        fate = self._fate(directory, record, what)
+        if fate is Fate.REPLACED or (fate is Fate.GONE and auto):
+            logger.info(
+                "safeckpt: step %d was %s while it was read; choosing again",
+                record.step,
+                "replaced by a new save of it" if fate is Fate.REPLACED else "removed (pruned)",
+            )
+            return _AGAIN
+        if fate is Fate.GONE:
+            raise removed_while_read(directory, record)
+        if auto and all(is_damage(e) for e in failed.values()):
             logger.warning(
                 "safeckpt: step %d cannot be loaded (%s); falling back to the commit before it",
                 record.step,
                 "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())),
             )
-            return True
+            return _SKIP
         if not self._parts.distributed:
             assert error is not None
             raise error
         raise agreed_error(failed, what=what, step=record.step)
+
+    def _fate(self, directory: Path, record: Record, what: str) -> Fate:
+        """Rank 0 looks whether ``directory`` still holds ``record``'s commit; every rank learns it."""
+        mine = fate_of(directory, record) if self._parts.is_leader else None
+        if not self._parts.distributed:
+            assert mine is not None
+            return mine
+        return Fate(self._parts.broadcast(mine and mine.value, self._parts.control, what=what))
+
+    # --- damaged checkpoints, moved aside ---------------------------------------------------
+
+    def _damaged_at_choice(self, directory: Path, record: Record | None, error: Exception) -> None:
+        if record is not None:
+            self._note_unloadable(directory, record, str(error))
+
+    def _note_unloadable(self, directory: Path, record: Record, reason: str) -> None:
+        """Rank 0: auto-resume stepped over this commit; it no longer counts as the newest step."""
+        if self._parts.is_leader:
+            self._unloadable[record.step] = (directory, record, reason)
+
+    def _move_aside_unloadable(self) -> None:
+        """Collective, after an auto-resume that loaded a checkpoint or started fresh: rank 0, if
+        it owns the root, moves what it stepped over to ``.damaged/``; every rank then takes rank
+        0's view. Failure to move only warns: the steps stay out of the order check
+        (``_unloadable``) and are moved when this manager takes the root."""
+        if self._parts.is_leader:
+            self._quarantine()
+        self._share_view(self._parts.control, what="the checkpoints after a restore")
+
+    def _quarantine(self) -> None:
+        """Rank 0: move every noted unloadable commit aside, if this manager owns the root."""
+        owner = self._ownership
+        if not self._unloadable or owner is None or not owner.claimed or self._lock is None:
+            return
+        if not owner.still_ours():
+            return
+        moved = []
+        for step, (directory, record, reason) in sorted(self._unloadable.items()):
+            try:
+                move_aside(self._layout, self._lock, self._ops, directory, record, reason)
+            except (OSError, CheckpointError) as e:
+                logger.warning(
+                    "safeckpt: could not move the unloadable step %d aside (%s); it stays where it is, "
+                    "is never loaded by this job, and does not block its saves",
+                    step,
+                    e,
+                )
+                continue
+            moved.append(step)
+        for step in moved:
+            del self._unloadable[step]
+        self._view.drop_unloadable(moved)
 
 
 def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
@@ -210,9 +330,9 @@ def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
     )
 
 
-def _attempt(fn: Any, *args: Any) -> BaseException | None:
+def _attempt(fn: Any, directory: Path, record: Record, *args: Any) -> BaseException | None:
     try:
-        fn(*args)
+        fn(directory, record, *args)
     except _WRITE_ERRORS as e:
-        return e
+        return as_read_error(e, directory, record)
     return None

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from .atomic import clear_non_pointer, swap_pointer
@@ -34,21 +35,43 @@ _CHECKPOINT_ORPHAN = re.compile(r"^\..+\.tmp\.[0-9a-f]{12}$|^\.metadata\.tmp$")
 def take_root(layout: Layout, lock: SidecarLock, ops: FileOps) -> Catalog:
     """Recover interrupted replacements, collect staging leftovers and orphans, repair ``latest``.
 
-    Returns the catalog as it is afterwards.
+    Returns the catalog as it is afterwards. Each step that fails on the
+    filesystem (an unwritable ``.trash``, a full disk) is warned about and left
+    for the next start: collecting leftovers never keeps a job from training.
     """
     layout.check_private_dirs()
-    layout.staging.mkdir(exist_ok=True)
-    layout.trash.mkdir(exist_ok=True)
-    recover_interrupted_replacements(layout, lock, ops)
-    abandoned = collect_abandoned_staging(layout, lock, ops)
-    if abandoned:
-        logger.info("safeckpt: collecting %d interrupted save(s) from %s", len(abandoned), layout.root)
+    with _or_warn(layout, "creating .staging and .trash"):
+        layout.staging.mkdir(exist_ok=True)
+        layout.trash.mkdir(exist_ok=True)
+    with _or_warn(layout, "recovering an interrupted replacement"):
+        recover_interrupted_replacements(layout, lock, ops)
+    with _or_warn(layout, "collecting interrupted saves"):
+        abandoned = collect_abandoned_staging(layout, lock, ops)
+        if abandoned:
+            logger.info("safeckpt: collecting %d interrupted save(s) from %s", len(abandoned), layout.root)
     catalog = scan(layout.root)
-    orphans = collect_orphans(catalog, lock)
-    if orphans:
-        logger.info("safeckpt: removed %d orphan temp file(s) from %s", len(orphans), layout.root)
-    repair_latest(catalog, lock, ops)
+    with _or_warn(layout, "removing orphan temp files"):
+        orphans = collect_orphans(catalog, lock)
+        if orphans:
+            logger.info("safeckpt: removed %d orphan temp file(s) from %s", len(orphans), layout.root)
+    with _or_warn(layout, "repairing `latest`"):
+        repair_latest(catalog, lock, ops)
     return scan(layout.root)
+
+
+@contextlib.contextmanager
+def _or_warn(layout: Layout, doing: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        logger.warning(
+            "safeckpt: %s in %s failed (%s: %s); training goes on, and the next start tries again. "
+            "Check the permissions and free space of the root.",
+            doing,
+            layout.root,
+            type(e).__name__,
+            e,
+        )
 
 
 def orphan_files(catalog: Catalog) -> list[Path]:

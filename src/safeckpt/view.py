@@ -94,6 +94,11 @@ class Committed:
         return CheckpointInfo(r.step, r.metrics, r.time, r.pinned)
 
 
+def _commit_order(entry: Committed) -> tuple[int, int]:
+    seq = entry.record.seq
+    return (seq if seq is not None else -1, entry.record.step)
+
+
 class SaveView:
     """Committed checkpoints, ``latest``, saves in flight and failures not yet raised."""
 
@@ -162,16 +167,27 @@ class SaveView:
         with self._lock:
             self._committed.pop(step, None)
 
+    def drop_unloadable(self, steps: Iterable[int]) -> None:
+        """These committed steps left the root as unloadable (moved aside); ``latest`` becomes
+        the newest commit left, as the root's pointer does."""
+        with self._lock:
+            for step in steps:
+                self._committed.pop(step, None)
+            if self._latest in self._committed:
+                return
+            newest = max(self._committed.values(), key=_commit_order, default=None)
+            self._latest = newest.record.step if newest is not None else None
+
     def pinned(self) -> list[Committed]:
         with self._lock:
             return [c for c in self._committed.values() if c.record.pinned]
 
     # --- saves in flight ---------------------------------------------------------------
 
-    def newest_step(self) -> int | None:
-        """The highest step committed or in flight."""
+    def newest_step(self, *, ignore: Iterable[int] = ()) -> int | None:
+        """The highest step committed or in flight, but for committed steps in ``ignore``."""
         with self._lock:
-            known = set(self._committed) | {j.step for j in self._jobs}
+            known = (set(self._committed) - set(ignore)) | {j.step for j in self._jobs}
         return max(known, default=None)
 
     def add(self, job: SaveJob) -> None:
@@ -262,15 +278,16 @@ class SaveView:
                 job.cancel_requested = True
             return marked
 
-    def prune_plan(self, policy: Policy) -> frozenset[int]:
+    def prune_plan(self, policy: Policy, *, held: Iterable[int] = ()) -> frozenset[int]:
         """Committed steps ``policy`` drops, judged by committed checkpoints only.
 
         Never ``latest`` nor a step with a save in flight: a checkpoint is not
-        removed because of saves that may still fail.
+        removed because of saves that may still fail. Nor a step in ``held``
+        (its registration has not ended).
         """
         with self._lock:
             infos = [c.info() for c in self._committed.values()]
-            protected = {j.step for j in self._jobs}
+            protected = {j.step for j in self._jobs} | set(held)
             if self._latest is not None:
                 protected.add(self._latest)
             return plan_removals(infos, policy, protected)

@@ -10,7 +10,9 @@ from ..export import (
     DTYPES,
     FORMATS,
     SAFETENSORS,
-    plan_export,
+    ExportPlan,
+    ExportResult,
+    export_chosen,
     write_export,
 )
 from ..failures import human_size
@@ -21,11 +23,20 @@ from .common import EXIT_OK, add_command, existing_root, out, print_json, progre
 
 def cmd_export(args: argparse.Namespace) -> int:
     root = existing_root(args.root)
-    plan = plan_export(
-        root, step=args.step, key=args.key, format=args.format, dtype=args.dtype, shard_size=args.shard_size
+
+    def write(plan: ExportPlan) -> ExportResult:
+        with progress_bar(f"exporting step {plan.step}", plan.total_bytes) as advance:
+            return write_export(plan, args.to, force=args.force, progress=advance)
+
+    result = export_chosen(
+        root,
+        write,
+        step=args.step,
+        key=args.key,
+        format=args.format,
+        dtype=args.dtype,
+        shard_size=args.shard_size,
     )
-    with progress_bar(f"exporting step {plan.step}", plan.total_bytes) as advance:
-        result = write_export(plan, args.to, force=args.force, progress=advance)
     if args.json:
         print_json(result.to_json())
     else:
