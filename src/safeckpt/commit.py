@@ -17,6 +17,7 @@ rank at the next call; a failure after it is only logged.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -42,7 +43,7 @@ from .record import Record, list_files, read_record, write_record
 from .registration import CommitInfo, RegistrationWorker, is_best
 from .removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .replicas import diverging, fingerprints
-from .retention import Policy, Retention, retention_json
+from .retention import Policy, Retention, explain, retention_json
 from .save_plans import SavePlans
 from .state import nest_for_dcp, train_state_filename
 from .view import Committed, SaveJob, SaveView
@@ -71,6 +72,7 @@ class CommitPath:
     registration_timeout: float
     _warned_diverging: set[str]  # keys warned about (safeckpt.replicas), once each
     _held_for_registration: set[int]  # steps retention drops, kept while they register
+    _warned_narrower: set[int]  # steps warned about as kept by an earlier run's retention
 
     def _persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
@@ -354,6 +356,8 @@ class CommitPath:
             self._held_for_registration = set(held)
         else:
             self._held_for_registration = set()
+        if drop:
+            self._warn_narrower_retention(drop)
         removed = []
         for step in sorted(drop):
             try:
@@ -365,6 +369,32 @@ class CommitPath:
             logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
             assert self._deleter is not None
             self._deleter.schedule()
+
+    def _warn_narrower_retention(self, drop: frozenset[int]) -> None:
+        """Rank 0, before removing ``drop``: warn, once per step, about those that the retention of
+        the run that wrote the newest older record kept (a resume with narrower rules)."""
+        current = json.loads(json.dumps(retention_json(self.retention)))  # as a record reads back
+        earlier = self._view.earlier_retention(current)
+        if earlier is None:
+            return
+        try:
+            rules = Retention.from_json(earlier)
+        except (CheckpointError, TypeError, ValueError):
+            return  # a custom policy cannot be rebuilt: nothing to compare with
+        infos = [c.info() for c in self._view.committed()]
+        reasons = explain(infos, rules)
+        lost = {s: reasons[s] for s in sorted(drop - self._warned_narrower) if reasons.get(s)}
+        if not lost:
+            return
+        self._warned_narrower.update(lost)
+        logger.warning(
+            "safeckpt: this run's retention (%s) is narrower than the one that wrote this root's earlier "
+            "checkpoints (%s): it now removes %s, which that retention kept. Pass the earlier rules "
+            "(or pin these steps: `safeckpt pin ROOT STEP`) to keep them.",
+            self._policy.reason(),
+            rules.policy().reason(),
+            "; ".join(f"step {s} ({', '.join(why)})" for s, why in lost.items()),
+        )
 
     def _prune_held_back(self) -> None:
         """Rank 0 at ``close()``, after the registrations ended: prune what they held back."""

@@ -207,21 +207,18 @@ def checksums_of(
                 directory,
             )
         return None
-    try:  # the record file's identity: an atomic rewrite gives it a new inode
-        info = os.stat(directory / "metadata.json")
-        key: tuple[Any, ...] | None = (str(directory), info.st_ino, info.st_mtime_ns, info.st_size)
-    except OSError:
-        key = None
+    # Keyed by the commit the record describes, not by the file now at its path: a reader holding
+    # the record of a step that was saved again meanwhile must check against that record's sums.
+    key = (str(directory), record.step, record.seq, record.time)
     with _last_parsed_lock:
-        cached = _parsed_checksums.get(key) if key is not None else None
+        cached = _parsed_checksums.get(key)
     if cached is None:
         # Parsed once per checkpoint: a restore of 10^4 tensors asks for them many times.
         cached = parse_checksums(record.checksums, record.files, where=str(directory / "metadata.json"))
-        if key is not None:
-            with _last_parsed_lock:
-                if _keeping:
-                    _parsed_checksums.clear()
-                    _parsed_checksums[key] = cached
+        with _last_parsed_lock:
+            if _keeping:
+                _parsed_checksums.clear()
+                _parsed_checksums[key] = cached
     return cached
 
 

@@ -38,7 +38,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .fileops import DEFAULT_FILE_OPS
 from .layout import Layout
 from .record import Record
-from .restore import choose_checkpoint, read_chosen
+from .restore import check_own_files, choose_checkpoint, read_chosen
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ def export_chosen(
     layout = _run_root(root)
 
     def attempt(directory: Path, record: Record) -> ExportResult:
+        check_own_files(directory, record, 0)  # what a restore checks first: the same choice
         plan = _plan(directory, record, key=key, format=format, dtype=target, shard_size=shard_size)
         return write(plan)
 

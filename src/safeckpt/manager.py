@@ -182,6 +182,7 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         self._seq = 0
         self._warned_diverging: set[str] = set()
         self._held_for_registration: set[int] = set()
+        self._warned_narrower: set[int] = set()
 
         self._lock: SidecarLock | None = None
         self._ownership: Ownership | None = None

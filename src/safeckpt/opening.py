@@ -18,7 +18,7 @@ from .failures import root_not_writable
 from .fileops import FileOps
 from .layout import Layout
 from .lock import SidecarLock
-from .ownership import Ownership, read_owner
+from .ownership import Ownership, live_writer
 from .removal import Deleter
 from .startup import take_root
 from .view import Committed, SaveView
@@ -86,8 +86,8 @@ class OpenPath:
             ) from e
 
     def _warn_live_writer(self) -> None:
-        owner = read_owner(self.root)
-        if owner is not None and owner.writing:
+        owner = live_writer(self.root)
+        if owner is not None:
             logger.warning(
                 "safeckpt: %s is being written by another live job (%s). This manager can restore "
                 "from it, but its save() raises RootInUseError while that job runs: a root has one "

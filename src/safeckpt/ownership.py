@@ -147,6 +147,29 @@ def _alive(owner: Owner, stale_after: float) -> bool:
     return owner.alive(stale_after=stale_after)
 
 
+def in_use_error(root: Path, owner: Owner | None) -> RootInUseError:
+    """The error for a root that ``owner``, a live process, writes."""
+    who = owner.describe() if owner is not None else "another process"
+    if owner is not None and owner.pid == os.getpid() and owner.host == socket.gethostname():
+        todo = "That is this process: close() the other CheckpointManager of this root first."
+    else:
+        todo = "Wait for that job to finish (or stop it), or give this run its own root."
+    return RootInUseError(
+        f"{root} is being written by {who}; a root has one writer at a time. {todo} "
+        "Reading (restore, safeckpt.load, `safeckpt ls`) needs no ownership.",
+        path=str(root),
+        owner=None if owner is None else owner.to_json(),
+    )
+
+
+def live_writer(root: Path, *, stale_after: float = STALE_AFTER) -> Owner | None:
+    """The live process writing ``root`` (one that saved, and runs still), or None."""
+    owner = read_owner(root)
+    if owner is None or not owner.writing or not _alive(owner, stale_after):
+        return None
+    return owner
+
+
 class Ownership:
     """This process's claim on one root. Every change holds the sidecar lock."""
 
@@ -205,18 +228,7 @@ class Ownership:
         deadline = time.monotonic() + grace
         while not self.try_claim(writing=True):
             if time.monotonic() >= deadline:
-                owner = read_owner(self._root)
-                who = owner.describe() if owner is not None else "another process"
-                if owner is not None and owner.pid == os.getpid() and owner.host == socket.gethostname():
-                    todo = "That is this process: close() the other CheckpointManager of this root first."
-                else:
-                    todo = "Wait for that job to finish (or stop it), or give this run its own root."
-                raise RootInUseError(
-                    f"{self._root} is being written by {who}; a root has one writer at a time. {todo} "
-                    "Reading (restore, safeckpt.load, `safeckpt ls`) needs no ownership.",
-                    path=str(self._root),
-                    owner=None if owner is None else owner.to_json(),
-                )
+                raise in_use_error(self._root, read_owner(self._root))
             time.sleep(_POLL)
 
     def still_ours(self) -> bool:

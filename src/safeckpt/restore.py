@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import dcp_io
-from .catalog import scan
+from .catalog import Catalog, scan
 from .collector import collector_paused
 from .distributed import Participants
 from .early_read import prefetch
@@ -244,33 +244,49 @@ def choose_checkpoint(
         return directory, verify_checkpoint(directory)
     if step is not None:
         return _explicit_step(layout, step)
-    catalog = scan(layout.root)
-    skipped = []
-    for entry in catalog.newest_first():
-        if entry.step in exclude:
-            continue
-        try:
-            record = verify_checkpoint(entry.path, step=entry.step)
-        except CheckpointNotFoundError as e:
-            logger.info("safeckpt: skipping step %d: %s", entry.step, e)
-            continue
-        except SKIPPABLE as e:
-            logger.warning("safeckpt: skipping step %d: %s", entry.step, e)
-            skipped.append(entry.step)
-            if on_damaged is not None:
-                on_damaged(entry.path, entry.record, e)
-            continue
-        if skipped or exclude:
-            logger.warning(
-                "safeckpt: falling back to step %d: the newer checkpoint(s) %s cannot be loaded",
-                entry.step,
-                sorted(set(skipped) | set(exclude)),
-            )
-        return entry.path, record
+    skipped: set[int] = set()  # damaged, found here
+    for _ in range(REREADS):
+        catalog = scan(layout.root)
+        found, pruned = _newest_whole(catalog, set(exclude) | skipped, skipped, on_damaged)
+        if found is not None:
+            if skipped or exclude:
+                logger.warning(
+                    "safeckpt: falling back to step %d: the newer checkpoint(s) %s cannot be loaded",
+                    found[1].step,
+                    sorted(skipped | set(exclude)),
+                )
+            return found
+        if not pruned:  # nothing was pruned under this scan: there is nothing to load
+            break
     for entry in catalog.entries:
         if not entry.committed and entry.step not in exclude:
             logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
+
+
+def _newest_whole(
+    catalog: Catalog,
+    exclude: set[int],
+    skipped: set[int],
+    on_damaged: Callable[[Path, Record | None, Exception], None] | None,
+) -> tuple[tuple[Path, Record] | None, bool]:
+    """The newest commit of ``catalog`` that verifies, and whether one was pruned while checked
+    (then a commit newer than the catalog may exist: the caller scans again)."""
+    pruned = False
+    for entry in catalog.newest_first():
+        if entry.step in exclude:
+            continue
+        try:
+            return (entry.path, verify_checkpoint(entry.path, step=entry.step)), pruned
+        except CheckpointNotFoundError as e:
+            logger.info("safeckpt: skipping step %d: %s", entry.step, e)
+            pruned = True
+        except SKIPPABLE as e:
+            logger.warning("safeckpt: skipping step %d: %s", entry.step, e)
+            skipped.add(entry.step)
+            if on_damaged is not None:
+                on_damaged(entry.path, entry.record, e)
+    return None, pruned
 
 
 def _explicit_step(layout: Layout, step: int) -> tuple[Path, Record]:

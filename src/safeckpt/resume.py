@@ -131,7 +131,7 @@ class ResumePath:
                     break
                 if outcome == _SKIP:
                     excluded.add(record.step)
-                    self._note_unloadable(directory, record, "its files failed their checks while loading")
+                    self._note_unloadable(directory, record, report)
                     continue
                 rereads += 1
                 if rereads > REREADS:
@@ -170,15 +170,16 @@ class ResumePath:
         began: list[bool],
         **options: Any,
     ) -> tuple[str, Any]:
-        """One attempt at one checkpoint on every rank: loaded, or what to do next (agreed)."""
+        """One attempt at one checkpoint on every rank: loaded (and the load's report), or what to do
+        next (and, to skip it, why), the same on every rank."""
         parts = self._parts
         what = f"restore of step {record.step}"
         # Each rank checks its own files first, so one rank's damaged file is the same error on
         # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
         own = _attempt(check_own_files, directory, record, parts.rank)
-        outcome = self._next_move(own, what, directory, record, auto)
+        outcome, why = self._next_move(own, what, directory, record, auto)
         if outcome != _LOADED:
-            return outcome, None
+            return outcome, why
         report: Any = None
         load_error: BaseException | None = None
         try:
@@ -193,7 +194,8 @@ class ResumePath:
             )
         except _WRITE_ERRORS as e:
             load_error = as_read_error(e, directory, record)
-        return self._next_move(load_error, what, directory, record, auto), report
+        outcome, why = self._next_move(load_error, what, directory, record, auto)
+        return outcome, report if outcome == _LOADED else why
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
@@ -235,14 +237,14 @@ class ResumePath:
 
     def _next_move(
         self, error: BaseException | None, what: str, directory: Path, record: Record, auto: bool
-    ) -> str:
+    ) -> tuple[str, str]:
         """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
         was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume);
         else raise the same error on every rank."""
         gathered = self._parts.gather(_portable(error), self._parts.control, what=what)
         failed = {rank: e for rank, e in enumerate(gathered) if e is not None}
         if not failed:
-            return _LOADED
+            return _LOADED, ""
         fate = self._fate(directory, record, what)
         if fate is Fate.REPLACED or (fate is Fate.GONE and auto):
             logger.info(
@@ -250,16 +252,17 @@ class ResumePath:
                 record.step,
                 "replaced by a new save of it" if fate is Fate.REPLACED else "removed (pruned)",
             )
-            return _AGAIN
+            return _AGAIN, ""
         if fate is Fate.GONE:
             raise removed_while_read(directory, record)
         if auto and all(is_damage(e) for e in failed.values()):
+            why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             logger.warning(
                 "safeckpt: step %d cannot be loaded (%s); falling back to the commit before it",
                 record.step,
-                "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())),
+                why,
             )
-            return _SKIP
+            return _SKIP, why
         if not self._parts.distributed:
             assert error is not None
             raise error

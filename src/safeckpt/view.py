@@ -178,6 +178,21 @@ class SaveView:
             newest = max(self._committed.values(), key=_commit_order, default=None)
             self._latest = newest.record.step if newest is not None else None
 
+    def committed(self) -> list[Committed]:
+        with self._lock:
+            return list(self._committed.values())
+
+    def earlier_retention(self, current: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The retention recorded by the newest commit whose record holds another one than
+        ``current`` (the rules of an earlier run of this root), or None."""
+        with self._lock:
+            newest_first = sorted(self._committed.values(), key=_commit_order, reverse=True)
+        for entry in newest_first:
+            recorded = entry.record.retention
+            if recorded is not None and dict(recorded) != dict(current):
+                return recorded
+        return None
+
     def pinned(self) -> list[Committed]:
         with self._lock:
             return [c for c in self._committed.values() if c.record.pinned]

@@ -95,6 +95,7 @@ def import_weights(
     saves: it waits for (and then fails on) a root a live job writes to.
     """
     from .manager import CheckpointManager
+    from .ownership import in_use_error, live_writer
 
     tensors = read_weights(weights)
     source = str(Path(weights).absolute())
@@ -106,6 +107,9 @@ def import_weights(
             path=str(directory),
             step=step,
         )
+    writer = live_writer(Path(root).absolute())
+    if writer is not None:  # refused at once, as the save would refuse it, before opening anything
+        raise in_use_error(Path(root).absolute(), writer)
     with CheckpointManager(root, async_save=False, **manager_options) as mgr:
         mgr.save(step, {key: weights_module(tensors)}, extra={"imported_from": source}, overwrite=overwrite)
     return directory
