@@ -140,6 +140,29 @@ def test_three_commits_make_versions_with_tags_and_aliases_and_a_pruned_one_load
     assert same_weights(load_downloaded(downloaded), saved[1])
 
 
+def test_keep_last_1_with_saves_back_to_back_registers_every_commit(
+    mlflow_server: Any, root: Path, tmp_path: Path
+) -> None:
+    """The seed scenario: with keep_last=1, each commit's prune meets the previous commit while it
+    uploads. A commit whose registration has not ended is kept until it ends, then pruned."""
+    name = f"race-{tmp_path.name}"
+    registrar = MlflowRegistrar(name, tracking_uri=mlflow_server.uri, aliases=())
+    with CheckpointManager(root, retention=Retention(keep_last=1), registrar=registrar) as mgr:
+        saved = train_and_save(mgr, range(1, 4), {})  # no waiting between the saves
+    by_step = versions(MlflowClient(mlflow_server.uri), name)
+    assert sorted(by_step) == [1, 2, 3]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_3"]  # held back, then pruned at close
+    record = read_record(root / "step_3")
+    assert record is not None and record.registration["version"] == str(by_step[3].version)
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        uri = f"models:/{name}/{by_step[1].version}"
+        v1 = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "v1")))
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert same_weights(safeckpt.load(v1)["model"], saved[1])  # uploaded whole before it was pruned
+
+
 def test_registering_twice_creates_no_second_version(sqlite_uri: str, root: Path, tmp_path: Path) -> None:
     name = f"twice-{tmp_path.name}"
     registrar = MlflowRegistrar(name, tracking_uri=sqlite_uri, experiment=name)

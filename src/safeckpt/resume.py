@@ -113,7 +113,7 @@ class ResumePath:
                 choice = self._choose(step, path, excluded)
                 if choice is None:
                     if filled:  # not a fresh start: the state holds part of a damaged checkpoint
-                        raise _partly_filled(self.root, filled)
+                        break
                     self._move_aside_unloadable()
                     logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
                     return Restored()
@@ -143,6 +143,8 @@ class ResumePath:
                     "before its damage was found. Build it anew before training on it."
                 )
             raise  # what failed stays where it is: the error tells the user what to move
+        if outcome != _LOADED:
+            raise _partly_filled(self.root, filled)
         self._conclude(None, what=f"restore of step {record.step}", step=record.step)
         if auto:
             self._move_aside_unloadable()
