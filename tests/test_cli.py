@@ -7,19 +7,24 @@ and register have their own test files (test_cli_*.py, test_export.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 
 from safeckpt import CheckpointManager, Retention, read_record
 from safeckpt.atomic import swap_pointer
 from safeckpt.cli import main
+from safeckpt.cli.common import print_table
 from safeckpt.fileops import DEFAULT_FILE_OPS
 
 LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
@@ -28,7 +33,7 @@ LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 @pytest.fixture
 def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A root with committed steps 10..60 (``latest`` = 60), every one kept."""
-    monkeypatch.setenv("COLUMNS", "250")  # no wrapping in the tables the tests read
+    monkeypatch.setenv("COLUMNS", "80")  # piped output never wraps, whatever the width
     monkeypatch.delenv("SAFECKPT_DEBUG", raising=False)
     root = tmp_path / "ckpt"
     torch.manual_seed(0)
@@ -48,6 +53,13 @@ def tree(root: Path) -> list[tuple[str, int]]:
 
 def steps_on_disk(root: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
+
+
+def table_rows(out: str) -> dict[int, str]:
+    """The rows of a piped ``ls`` table by step: one line each, starting with the step and its time."""
+    return {
+        int(line.split()[0]): line for line in out.splitlines() if re.match(r" *\d+  \d{4}-\d\d-\d\d ", line)
+    }
 
 
 def ls_json(root: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> dict:
@@ -91,7 +103,7 @@ def test_ls_empty_root_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_ls_table(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    rows = table_rows(out)
     assert sorted(rows) == sorted(LOSSES)
     assert "latest" in rows[60] and "committed" in rows[60]
     assert all("latest" not in rows[s] for s in LOSSES if s != 60)
@@ -107,7 +119,7 @@ def test_ls_with_retention_explains_what_prune_would_remove(
     args = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss"]
     assert main(["ls", str(ckpt), *args]) == 0
     out = capsys.readouterr().out
-    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    rows = table_rows(out)
     assert "best 1 by loss" in rows[20]
     assert "last 2" in rows[50] and "last 2" in rows[60] and "latest" in rows[60]
     for step in (10, 30, 40):
@@ -312,6 +324,70 @@ def test_pin_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["pin", str(ckpt), "15"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no checkpoint of step 15" in err
+
+
+# --- piped tables ------------------------------------------------------------------------------
+
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
+def test_piped_tables_are_plain_text_one_line_per_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    root = tmp_path / ("a_long_directory_name_" * 4) / "ckpt"
+    metrics = {"val_loss": 0.50412345, "a_rather_long_metric_name": 12.5}
+    with CheckpointManager(root, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.zeros(3)}, metrics=metrics)
+    leftover = root / ".trash" / ("step_0.pruned.0123456789ab")
+    leftover.mkdir(parents=True)
+    (leftover / "f").write_bytes(b"z" * 2048)
+
+    ls = run_cli("ls", root)
+    assert ls.returncode == 0, ls.stderr
+    lines = ls.stdout.splitlines()
+    rows = table_rows(ls.stdout)
+    assert sorted(rows) == [10, 20]
+    for row in rows.values():
+        assert "a_rather_long_metric_name=12.5 val_loss=0.5041" in row and "committed" in row
+    assert "latest" in rows[20]
+    assert str(root) in lines[0] and lines[1].split() == [
+        "step",
+        "time",
+        "size",
+        "metrics",
+        "status",
+        "why",
+        "kept",
+    ]
+    assert max(map(len, lines)) > 80  # wider than the terminal width, and still not wrapped
+
+    gc = run_cli("gc", root, "--dry-run")
+    assert gc.returncode == 0, gc.stderr
+    row = next(line for line in gc.stdout.splitlines() if line.startswith("trash "))
+    assert row.split() == ["trash", ".trash/step_0.pruned.0123456789ab", "2.0", "KiB", "would", "remove"]
+
+    inspect = run_cli("inspect", root, "10")
+    assert inspect.returncode == 0, inspect.stderr
+    assert any(line.split()[:3] == ["w", "float32", "3"] for line in inspect.stdout.splitlines())
+    assert any(line.startswith("train_state.rank0.safetensors ") for line in inspect.stdout.splitlines())
+
+    for proc in (ls, gc, inspect):
+        assert not BOX_DRAWING.search(proc.stdout), proc.stdout
+
+
+def test_tables_on_a_terminal_are_drawn_by_rich() -> None:
+    table = Table(title="checkpoints")
+    table.add_column("step", justify="right")
+    table.add_column("metrics", overflow="fold")
+    table.add_row("10", "[red]val_loss=0.504[/]")
+    drawn = io.StringIO()
+    print_table(Console(file=drawn, force_terminal=True, width=80), table)
+    assert BOX_DRAWING.search(drawn.getvalue()) and "val_loss=0.504" in drawn.getvalue()
+    piped = io.StringIO()
+    print_table(Console(file=piped, width=80), table)
+    assert piped.getvalue() == "checkpoints\nstep  metrics\n  10  val_loss=0.504\n"
 
 
 # --- errors, as a user sees them -----------------------------------------------------------------

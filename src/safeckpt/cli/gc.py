@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..failures import human_size
 from ..gc import REMOVED, SKIPPED, collect_garbage
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if item.action == SKIPPED:
             action = f"[yellow]{action}[/]"
         table.add_row(item.kind, str(item.path.relative_to(root)), human_size(item.size), action)
-    console.print(table)
+    print_table(console, table)
     for step in report.restored_steps:
         console.print(f"put back step {step}: a save that replaced it was interrupted")
     removed = [i for i in report.items if i.action == REMOVED]

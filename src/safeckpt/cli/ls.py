@@ -16,7 +16,7 @@ from ..inspection import kept_because, recorded_retention
 from ..record import list_files
 from ..retention import Retention
 from .args import add_retention_arguments, retention_from_args
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -120,7 +120,7 @@ def render(console: Console, data: dict[str, Any]) -> None:
             table.add_row(
                 str(c["step"]), time, human_size(c["size"]), _metrics_text(c["metrics"]), status, kept
             )
-        console.print(table)
+        print_table(console, table)
     for note in footnotes(data):
         console.print(f"[dim]{note}[/]")
 
