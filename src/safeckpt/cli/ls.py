@@ -70,8 +70,11 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     }
 
 
-def _local_iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+def _local_iso(t: float) -> str | None:
+    try:
+        return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):  # a record written by a far-off clock: beyond year 9999
+        return None
 
 
 def _disk_size(entry: Entry) -> int:
