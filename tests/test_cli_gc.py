@@ -168,6 +168,30 @@ def test_gc_removes_everything_a_dead_job_left(tmp_path: Path, capsys: pytest.Ca
     assert "nothing to collect" in capsys.readouterr().out
 
 
+def test_gc_collects_staging_when_no_owner_record_says_a_writer_lives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live writer always has an owner record: staging in a root without one is a leftover."""
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)})
+    assert not (root / ".owner").exists()  # close() gave the root up
+    leftover = root / ".staging" / "step_2.0123456789ab"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 1000)
+
+    assert main(["gc", str(root), "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["owner_alive"] is None
+    assert items_by_path(dry)[str(leftover)]["action"] == "would remove" and leftover.is_dir()
+
+    assert main(["gc", str(root), "--json"]) == 0
+    item = items_by_path(json.loads(capsys.readouterr().out))[str(leftover)]
+    assert (item["kind"], item["action"], item["size"]) == ("staging", "removed", 1000)
+    assert not leftover.exists() and not any((root / ".trash").iterdir())
+    assert main(["verify", str(root)]) == 0
+
+
 def test_gc_table_and_missing_root(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     with CheckpointManager(root, async_save=False) as mgr:

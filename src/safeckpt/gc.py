@@ -2,9 +2,11 @@
 
 What is collected:
 
-* ``staging``: ``.staging/`` entries, only when the root's owner record says its
-  writer is gone (never a live owner's saves in flight; with no owner record at
-  all, staging is left alone, since a writer may be running);
+* ``staging``: ``.staging/`` entries, unless a live writer owns the root (never a
+  live owner's saves in flight). A root with no owner record has no live writer:
+  a writer claims the root (writes its owner record, under the sidecar lock gc
+  holds) before it stages anything, and removes the record only at ``close()``,
+  so staging found without one is the leftover of a crash or an older version;
 * ``trash``: ``.trash/`` entries (pruned or abandoned checkpoints), unless a live
   writer owns the root (its own deleter removes them);
 * ``nfs`` / ``fuse``: ``.nfs*`` and ``.fuse_hidden*`` files that are no longer in
@@ -31,8 +33,9 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError
 from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import REPLACED, STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname, parse_trash_name
+from .layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
 from .lock import SidecarLock
+from .ownership import read_owner
 from .removal import (
     Deleter,
     RetryBudget,
@@ -108,10 +111,6 @@ class GcReport:
 
 def owner_state(root: Path, *, stale_after: float | None = None) -> tuple[bool | None, str]:
     """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is."""
-    try:
-        from .ownership import read_owner
-    except ImportError:  # a safeckpt without owner records: assume a writer may be running
-        return None, "unknown (this safeckpt keeps no owner records)"
     owner = read_owner(root)
     if owner is None:
         return None, "no owner record"
@@ -159,28 +158,24 @@ def _collect(
     with lock:
         alive, who = owner_state(layout.root, stale_after=stale)
         report = GcReport(layout.root, dry_run, who, alive)
-        writer_gone = alive is False
+        # no live writer: its owner is gone, or there is no owner record (nobody claimed the root;
+        # a writer claims it under this lock before it stages a save, so none can start meanwhile)
+        writer_gone = alive is not True
         if writer_gone and not dry_run:
             report.restored_steps = recover_interrupted_replacements(layout, lock, ops)
         for entry in layout.staging_entries():
             item = GcItem(entry, STAGING, _tree_size(entry))
             if not writer_gone:
                 item.action = SKIPPED
-                item.reason = (
-                    "the root's writer is alive" if alive else "no owner record says its writer is gone"
-                ) + "; a save may be in flight"
+                item.reason = "the root's writer is alive; a save may be in flight"
             report.items.append(item)
         for entry in layout.trash_entries():
             item = GcItem(entry, TRASH, _tree_size(entry))
-            parsed = parse_trash_name(entry.name)
             if alive:
-                # the live writer's own deleter removes its trash (with its retries); a root
-                # has one writer, and nothing touches a live owner's files
+                # the live writer's own deleter removes its trash (with its retries), and the old
+                # copy of a replacement in progress is its; nothing touches a live owner's files
                 item.action = SKIPPED
                 item.reason = "the root's live writer deletes its own trash"
-            elif parsed is not None and parsed[1] == REPLACED and not writer_gone:
-                item.action = SKIPPED
-                item.reason = "the old copy of a replacement in progress"
             report.items.append(item)
         for path, kind in _loose_files(layout):
             item = GcItem(path, kind, _tree_size(path))
