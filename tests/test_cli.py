@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,58 @@ def test_verify_detects_a_truncated_file(ckpt: Path, capsys: pytest.CaptureFixtu
 def test_verify_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(ckpt), "--step", "15"]) == 1
     assert "no checkpoint of step 15" in capsys.readouterr().err
+
+
+def point_latest(root: Path, target: str) -> None:
+    os.unlink(root / "latest")
+    os.symlink(target, root / "latest")
+
+
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        pytest.param("outside-relative", "not to a checkpoint directory of this root", id="outside-relative"),
+        pytest.param("outside-absolute", "not to a checkpoint directory of this root", id="outside-absolute"),
+        pytest.param("symlinked-step", "a symbolic link to", id="a-step-name-linking-outside"),
+        pytest.param("missing-step", "step_999, which does not exist", id="missing-step"),
+    ],
+)
+def test_verify_fails_when_latest_leads_outside_the_root_or_nowhere(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], where: str, expected: str
+) -> None:
+    outside = ckpt.parent / "elsewhere" / "step_60"
+    shutil.copytree(ckpt / "step_60", outside)  # a whole checkpoint, but not one of this root
+    target = {
+        "outside-relative": "../elsewhere/step_60",
+        "outside-absolute": str(outside),
+        "symlinked-step": "step_70",
+        "missing-step": "step_999",
+    }[where]
+    os.symlink(outside, ckpt / "step_70")
+    point_latest(ckpt, target)
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["broken"] == []
+    assert (
+        expected in data["latest_problem"]
+        and "newest complete checkpoint (step 60)" in data["latest_problem"]
+    )
+    assert main(["verify", str(ckpt)]) == 1
+    assert expected in capsys.readouterr().out
+
+
+def test_verify_fails_when_latest_names_a_step_and_no_checkpoint_is_left(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every checkpoint gone but `latest` still naming one: auto-resume would start from scratch."""
+    for step in LOSSES:
+        shutil.rmtree(ckpt / f"step_{step}")
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert f"no checkpoints in {ckpt}" in out
+    assert "`latest` names step_60, which does not exist" in out and "would start fresh" in out
+    os.unlink(ckpt / "latest")
+    assert main(["verify", str(ckpt)]) == 0  # an empty root is a healthy one
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:

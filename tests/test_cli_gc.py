@@ -100,11 +100,26 @@ def test_gc_leaves_a_live_jobs_save_alone(tmp_path: Path) -> None:
     try:
         staged = sorted(p.name for p in staging.iterdir())
         planted = plant(root)
+        noted, moving = root / ".damaged" / "step_0.0123456789ab", root / ".damaged" / "step_1.0123456789ab"
+        for damaged in (noted, moving):
+            damaged.mkdir(parents=True)
+            (damaged / "__0_0.distcp").write_bytes(b"d" * 100)
+        (noted / "damaged.json").write_text(
+            json.dumps({"step": 0, "reason": "bad bytes", "time": 1.0, "seq": 1})
+        )
+        heartbeat_tmp = root / ".owner.tmp.0123456789ab"  # what a live owner's heartbeat write looks like
+        heartbeat_tmp.write_text("{}")
         proc = run_cli("gc", root, "--json")
         assert proc.returncode == 0, proc.stderr
         data = json.loads(proc.stdout)
         assert data["owner_alive"] is True
         items = items_by_path(data)
+        # a damaged checkpoint is no writer's business once moved aside (its note written)
+        assert items[str(noted)]["action"] == "removed" and not noted.exists()
+        assert items[str(moving)]["action"] == "skipped" and "moving it aside" in items[str(moving)]["reason"]
+        assert items[str(heartbeat_tmp)]["action"] == "skipped" and heartbeat_tmp.exists()
+        assert moving.is_dir()
+        heartbeat_tmp.unlink()
         assert items[str(staging)]["action"] == "skipped" and items[str(staging)]["kind"] == "staging"
         assert sorted(p.name for p in staging.iterdir()) == staged  # untouched
         # the live writer's trash is its own deleter's business

@@ -12,7 +12,11 @@ What is collected:
 * ``nfs`` / ``fuse``: ``.nfs*`` and ``.fuse_hidden*`` files that are no longer in
   use (removal is tried; a file still open somewhere refuses it and is skipped);
 * ``temp``: orphan temp files of atomic writes (``.latest.tmp.*``, ``.<name>.tmp.*``
-  in step directories, DCP's ``.metadata.tmp``).
+  in step directories, DCP's ``.metadata.tmp``);
+* ``damaged``: ``.damaged/`` entries, checkpoints auto-resume found unloadable and
+  moved aside (never loaded, never pruned: kept for a look until gc removes them),
+  live writer or not, since no writer uses them again; only one without its
+  ``damaged.json`` note is left to a live writer (it may be moving it aside).
 
 Every decision and every removal attempt holds the sidecar lock, so a file a live
 writer is still writing (its temp files exist only while it holds the lock) is
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .catalog import damaged_note
 from .errors import CheckpointNotFoundError
 from .fileops import DEFAULT_FILE_OPS, FileOps
 from .layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
@@ -49,6 +54,7 @@ TRASH = "trash"
 NFS = "nfs"
 FUSE = "fuse"
 TEMP = "temp"
+DAMAGED = "damaged"
 
 REMOVED = "removed"
 WOULD_REMOVE = "would remove"
@@ -177,6 +183,12 @@ def _collect(
                 item.action = SKIPPED
                 item.reason = "the root's live writer deletes its own trash"
             report.items.append(item)
+        for entry in layout.damaged_entries():
+            item = GcItem(entry, DAMAGED, _tree_size(entry))
+            if alive and not damaged_note(entry):
+                item.action = SKIPPED
+                item.reason = "it has no note yet: the live writer may be moving it aside"
+            report.items.append(item)
         for path, kind in _loose_files(layout):
             item = GcItem(path, kind, _tree_size(path))
             if kind == TEMP and path.parent == layout.root and alive and not path.name.startswith(".latest."):
@@ -196,7 +208,7 @@ def _collect(
                     moved[item.path] = target
     budget = RetryBudget()
     for item in report.items:
-        if item.kind in (NFS, FUSE, TEMP):
+        if item.kind in (NFS, FUSE, TEMP, DAMAGED) and item.action == WOULD_REMOVE:
             result = remove_tree(item.path, budget, lock, ops)
             _conclude(item, result.removed, result.error)
     if not alive and any(i.kind in (STAGING, TRASH) and i.action == WOULD_REMOVE for i in report.items):

@@ -51,11 +51,12 @@ def add_parser(commands: Any) -> None:
     parser = add_command(
         commands,
         "gc",
-        help="remove leftovers: dead owners' staging, trash, .nfs/.fuse_hidden files, temp files",
-        description="Remove what crashes and old versions left in ROOT: .staging/ entries of an owner "
-        "that is gone (never a live job's saves in flight), .trash/, .nfs* and .fuse_hidden* files "
-        "no longer in use, and orphan temp files. Holds the sidecar lock; safe while a job trains. "
-        "Reports the bytes freed.",
+        help="remove leftovers: dead owners' staging, trash, damaged checkpoints moved aside, "
+        ".nfs/.fuse_hidden files, temp files",
+        description="Remove what crashes and old versions left in ROOT: .staging/ entries when no live "
+        "job owns the root (never a live job's saves in flight), .trash/, checkpoints auto-resume "
+        "moved aside into .damaged/, .nfs* and .fuse_hidden* files no longer in use, and orphan temp "
+        "files. Holds the sidecar lock; safe while a job trains. Reports the bytes freed.",
         examples="""
 safeckpt gc runs/exp1 --dry-run
 safeckpt gc runs/exp1 --json | jq .bytes_freed
