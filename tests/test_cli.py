@@ -27,6 +27,8 @@ from safeckpt.atomic import swap_pointer
 from safeckpt.cli import main
 from safeckpt.cli.common import print_table
 from safeckpt.fileops import DEFAULT_FILE_OPS
+from safeckpt.lock import SidecarLock
+from safeckpt.record import amend_record
 
 LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 
@@ -348,10 +350,68 @@ def test_prune_leaves_saves_in_flight_alone(ckpt: Path) -> None:
     assert steps_on_disk(ckpt) == [60]
 
 
-def test_prune_without_a_rule_is_a_usage_error(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prune_without_a_rule_applies_the_retention_the_job_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False, retention=Retention(keep_last=2)) as mgr:
+        mgr.save(10, {"w": torch.zeros(2)})
+        mgr.pin(10)
+        for step in (20, 30):
+            mgr.save(step, {"w": torch.zeros(2)})
+    assert steps_on_disk(root) == [10, 20, 30]
+    assert main(["unpin", str(root), "10"]) == 0  # the job would remove it at its next commit
+    capsys.readouterr()
+    before = tree(root)
+
+    assert main(["prune", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rule: the job's recorded retention: last 2 or pinned" in out
+    assert "would remove step(s) 10; would keep 20, 30 (dry run)" in out
+    assert tree(root) == before
+
+    assert main(["prune", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["retention_source"], data["retention"]) == ("recorded", "last 2 or pinned")
+    assert data["removed"] == [10] and data["kept"] == [20, 30]
+    assert steps_on_disk(root) == [20, 30]
+
+    # a rule given wins over the recorded one, and says so
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rule: the rules given: last 1 or pinned" in out and "removed step(s) 20" in out
+
+
+def test_prune_keeps_milestones(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--keep-last", "1", "--keep-milestones", "20,40", "--json"]
+    assert main(["ls", str(ckpt), *args]) == 0
+    kept = {c["step"]: c["kept_because"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert kept[20] == kept[40] == ["milestone (steps 20, 40)"] and kept[30] == []
+
+    assert main(["prune", str(ckpt), *args]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["retention_source"] == "given"
+    assert data["retention"] == "last 1 or milestone (steps 20, 40) or pinned"
+    assert data["removed"] == [10, 30, 50] and steps_on_disk(ckpt) == [20, 40, 60]
+
+    assert main(["prune", str(ckpt), "--keep-milestones", "pow2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "milestone (power-of-two steps)" in out and "would remove step(s) 20, 40; would keep 60" in out
+
+
+def test_prune_without_a_rule_or_a_recorded_one_is_a_usage_error(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lock = SidecarLock(ckpt / ".lock")
+    try:
+        for step in LOSSES:  # records of a job that recorded no retention
+            amend_record(ckpt / f"step_{step}", lock, DEFAULT_FILE_OPS, retention=None)
+    finally:
+        lock.close()
     before = tree(ckpt)
     assert main(["prune", str(ckpt)]) == 2
-    assert "prune needs a rule" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no retention to prune" in err and "--keep-milestones" in err
     assert tree(ckpt) == before
 
 
@@ -476,6 +536,7 @@ def test_bad_argument_is_one_line_and_a_traceback_only_when_debugging(
     [
         pytest.param(["ls"], id="missing-root"),
         pytest.param(["prune", "x", "--keep-last", "0"], id="zero"),
+        pytest.param(["prune", "x", "--keep-milestones", "10,ten"], id="bad-milestones"),
         pytest.param(["pin", "x", "ten"], id="not-a-number"),
         pytest.param(["frobnicate"], id="unknown-command"),
     ],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import dcp_io
 from .catalog import Catalog, Entry, damaged_note, scan, settled_scan, verify_files
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .fileops import DEFAULT_FILE_OPS, FileOps
 from .integrity import verify_file
 from .layout import Layout, parse_damaged_name, parse_step_dirname
@@ -44,22 +44,48 @@ def infos(catalog: Catalog) -> list[CheckpointInfo]:
     return out
 
 
+def recorded_retention(catalog: Catalog) -> Retention | None:
+    """The retention the job that wrote the newest record used, if it says (None: it does not, or
+    it used a custom policy, which cannot be rebuilt)."""
+    for entry in sorted(catalog.committed.values(), key=lambda e: e.step, reverse=True):
+        if entry.record is not None and entry.record.retention is not None:
+            try:
+                return Retention.from_json(entry.record.retention)
+            except (CheckpointError, TypeError):
+                return None
+    return None
+
+
+GIVEN = "given"
+RECORDED = "recorded"
+
+
 @dataclass
 class PruneResult:
     removed: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     left_in_trash: list[Path] = field(default_factory=list)
+    rule: str = ""
+    """The retention applied, in words (``Retention.policy().reason()``)."""
+    source: str = GIVEN
+    """Where the rule came from: ``"given"`` by the caller, or ``"recorded"`` by the job."""
 
 
 def prune(
     root: str | os.PathLike[str],
-    retention: Retention,
+    retention: Retention | None,
     *,
     dry_run: bool = False,
     drain_timeout: float = 30.0,
     file_ops: FileOps | None = None,
 ) -> PruneResult:
-    """Apply ``retention`` to the committed checkpoints of ``root`` and delete what falls out."""
+    """Apply ``retention`` to the committed checkpoints of ``root`` and delete what falls out.
+
+    ``retention=None``: the retention the job recorded (its newest record's; see
+    :func:`recorded_retention`), read under the lock with the checkpoints it judges, so a
+    prune does what the job itself does at its next commit. Raises :class:`ConfigError`
+    when the records name none this can apply.
+    """
     ops = file_ops or DEFAULT_FILE_OPS
     layout = Layout(Path(root).absolute())
     if not layout.root.is_dir():
@@ -86,6 +112,9 @@ def _prune_locked(
         recover_interrupted_replacements(layout, lock, ops)
     with lock:
         catalog = scan(layout.root)
+        if retention is None:
+            retention, result.source = _recorded_or_refuse(catalog), RECORDED
+        result.rule = retention.policy().reason()
         drop = plan_removals(infos(catalog), retention.policy(), protected_steps(catalog))
         result.kept = sorted(set(catalog.committed) - drop)
         result.removed = sorted(drop)
@@ -95,6 +124,17 @@ def _prune_locked(
         result.kept = sorted(set(catalog.committed) - set(result.removed))
     result.left_in_trash = Deleter(layout, lock, ops).drain(drain_timeout)
     return result
+
+
+def _recorded_or_refuse(catalog: Catalog) -> Retention:
+    retention = recorded_retention(catalog)
+    if retention is None:
+        raise ConfigError(
+            f"no retention to prune {catalog.layout.root} with: its records name none this can apply "
+            "(none recorded, or a custom policy). Give a rule: --keep-last N, --keep-best K --metric "
+            "NAME, --keep-every N or --keep-milestones STEPS."
+        )
+    return retention
 
 
 def set_pinned(
