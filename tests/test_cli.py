@@ -205,6 +205,20 @@ def test_verify_detects_a_truncated_file(ckpt: Path, capsys: pytest.CaptureFixtu
     assert tree(ckpt) == before  # verify changes nothing
 
 
+def test_verify_says_where_auto_resume_goes_when_latest_is_broken(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    victim = max((p for p in (ckpt / "step_60").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, other bytes: only checksums tell
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["broken"] == [60]
+    assert data["latest_problem"] == (
+        "`latest` names step 60, which is broken; auto-resume takes the newest complete checkpoint "
+        "(step 50) instead"
+    )
+
+
 def test_verify_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(ckpt), "--step", "15"]) == 1
     assert "no checkpoint of step 15" in capsys.readouterr().err

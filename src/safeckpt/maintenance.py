@@ -244,14 +244,15 @@ def latest_problem(catalog: Catalog, report: dict[int, list[str]] | None = None)
     checkpoints, naming something that is not a committed checkpoint of the root (outside it,
     a missing step, an incomplete one), or (with ``report``) naming a broken one."""
     name = catalog.latest_name
-    newest = catalog.latest_step
+    broken = {step for step, problems in (report or {}).items() if problems}
+    newest = next((e.step for e in catalog.newest_first() if e.step not in broken), None)
     fallback = (
         f"; auto-resume takes the newest complete checkpoint (step {newest}) instead"
         if newest is not None
         else "; auto-resume finds no complete checkpoint and would start fresh"
     )
     if name is None:
-        return None if newest is None else "`latest` is missing" + fallback
+        return None if not catalog.committed else "`latest` is missing" + fallback
     step = parse_step_dirname(name)
     target = catalog.layout.root / name
     if step is None:
@@ -264,7 +265,7 @@ def latest_problem(catalog: Catalog, report: dict[int, list[str]] | None = None)
     if step not in catalog.committed:
         what = "is not a committed checkpoint" if os.path.lexists(target) else "does not exist"
         return f"`latest` names {name}, which {what}" + fallback
-    if report is not None and report.get(step):
+    if step in broken:
         return f"`latest` names step {step}, which is broken" + fallback
     return None
 
