@@ -7,20 +7,28 @@ and register have their own test files (test_cli_*.py, test_export.py).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 
 from safeckpt import CheckpointManager, Retention, read_record
 from safeckpt.atomic import swap_pointer
 from safeckpt.cli import main
+from safeckpt.cli.common import print_table
 from safeckpt.fileops import DEFAULT_FILE_OPS
+from safeckpt.lock import SidecarLock
+from safeckpt.record import amend_record
 
 LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 
@@ -28,7 +36,7 @@ LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 @pytest.fixture
 def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A root with committed steps 10..60 (``latest`` = 60), every one kept."""
-    monkeypatch.setenv("COLUMNS", "250")  # no wrapping in the tables the tests read
+    monkeypatch.setenv("COLUMNS", "80")  # piped output never wraps, whatever the width
     monkeypatch.delenv("SAFECKPT_DEBUG", raising=False)
     root = tmp_path / "ckpt"
     torch.manual_seed(0)
@@ -48,6 +56,13 @@ def tree(root: Path) -> list[tuple[str, int]]:
 
 def steps_on_disk(root: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
+
+
+def table_rows(out: str) -> dict[int, str]:
+    """The rows of a piped ``ls`` table by step: one line each, starting with the step and its time."""
+    return {
+        int(line.split()[0]): line for line in out.splitlines() if re.match(r" *\d+  \d{4}-\d\d-\d\d ", line)
+    }
 
 
 def ls_json(root: Path, *args: str, capsys: pytest.CaptureFixture[str]) -> dict:
@@ -91,7 +106,7 @@ def test_ls_empty_root_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_ls_table(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    rows = table_rows(out)
     assert sorted(rows) == sorted(LOSSES)
     assert "latest" in rows[60] and "committed" in rows[60]
     assert all("latest" not in rows[s] for s in LOSSES if s != 60)
@@ -107,7 +122,7 @@ def test_ls_with_retention_explains_what_prune_would_remove(
     args = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss"]
     assert main(["ls", str(ckpt), *args]) == 0
     out = capsys.readouterr().out
-    rows = {int(line.split()[1]): line for line in out.splitlines() if line[:1] == "│"}
+    rows = table_rows(out)
     assert "best 1 by loss" in rows[20]
     assert "last 2" in rows[50] and "last 2" in rows[60] and "latest" in rows[60]
     for step in (10, 30, 40):
@@ -190,9 +205,75 @@ def test_verify_detects_a_truncated_file(ckpt: Path, capsys: pytest.CaptureFixtu
     assert tree(ckpt) == before  # verify changes nothing
 
 
+def test_verify_says_where_auto_resume_goes_when_latest_is_broken(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    victim = max((p for p in (ckpt / "step_60").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, other bytes: only checksums tell
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["broken"] == [60]
+    assert data["latest_problem"] == (
+        "`latest` names step 60, which is broken; auto-resume takes the newest complete checkpoint "
+        "(step 50) instead"
+    )
+
+
 def test_verify_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(ckpt), "--step", "15"]) == 1
     assert "no checkpoint of step 15" in capsys.readouterr().err
+
+
+def point_latest(root: Path, target: str) -> None:
+    os.unlink(root / "latest")
+    os.symlink(target, root / "latest")
+
+
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        pytest.param("outside-relative", "not to a checkpoint directory of this root", id="outside-relative"),
+        pytest.param("outside-absolute", "not to a checkpoint directory of this root", id="outside-absolute"),
+        pytest.param("symlinked-step", "a symbolic link to", id="a-step-name-linking-outside"),
+        pytest.param("missing-step", "step_999, which does not exist", id="missing-step"),
+    ],
+)
+def test_verify_fails_when_latest_leads_outside_the_root_or_nowhere(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], where: str, expected: str
+) -> None:
+    outside = ckpt.parent / "elsewhere" / "step_60"
+    shutil.copytree(ckpt / "step_60", outside)  # a whole checkpoint, but not one of this root
+    target = {
+        "outside-relative": "../elsewhere/step_60",
+        "outside-absolute": str(outside),
+        "symlinked-step": "step_70",
+        "missing-step": "step_999",
+    }[where]
+    os.symlink(outside, ckpt / "step_70")
+    point_latest(ckpt, target)
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["broken"] == []
+    assert (
+        expected in data["latest_problem"]
+        and "newest complete checkpoint (step 60)" in data["latest_problem"]
+    )
+    assert main(["verify", str(ckpt)]) == 1
+    assert expected in capsys.readouterr().out
+
+
+def test_verify_fails_when_latest_names_a_step_and_no_checkpoint_is_left(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every checkpoint gone but `latest` still naming one: auto-resume would start from scratch."""
+    for step in LOSSES:
+        shutil.rmtree(ckpt / f"step_{step}")
+    assert main(["verify", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert f"no checkpoints in {ckpt}" in out
+    assert "`latest` names step_60, which does not exist" in out and "would start fresh" in out
+    os.unlink(ckpt / "latest")
+    assert main(["verify", str(ckpt)]) == 0  # an empty root is a healthy one
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
@@ -283,10 +364,68 @@ def test_prune_leaves_saves_in_flight_alone(ckpt: Path) -> None:
     assert steps_on_disk(ckpt) == [60]
 
 
-def test_prune_without_a_rule_is_a_usage_error(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prune_without_a_rule_applies_the_retention_the_job_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False, retention=Retention(keep_last=2)) as mgr:
+        mgr.save(10, {"w": torch.zeros(2)})
+        mgr.pin(10)
+        for step in (20, 30):
+            mgr.save(step, {"w": torch.zeros(2)})
+    assert steps_on_disk(root) == [10, 20, 30]
+    assert main(["unpin", str(root), "10"]) == 0  # the job would remove it at its next commit
+    capsys.readouterr()
+    before = tree(root)
+
+    assert main(["prune", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rule: the job's recorded retention: last 2 or pinned" in out
+    assert "would remove step(s) 10; would keep 20, 30 (dry run)" in out
+    assert tree(root) == before
+
+    assert main(["prune", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["retention_source"], data["retention"]) == ("recorded", "last 2 or pinned")
+    assert data["removed"] == [10] and data["kept"] == [20, 30]
+    assert steps_on_disk(root) == [20, 30]
+
+    # a rule given wins over the recorded one, and says so
+    assert main(["prune", str(root), "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rule: the rules given: last 1 or pinned" in out and "removed step(s) 20" in out
+
+
+def test_prune_keeps_milestones(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--keep-last", "1", "--keep-milestones", "20,40", "--json"]
+    assert main(["ls", str(ckpt), *args]) == 0
+    kept = {c["step"]: c["kept_because"] for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert kept[20] == kept[40] == ["milestone (steps 20, 40)"] and kept[30] == []
+
+    assert main(["prune", str(ckpt), *args]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["retention_source"] == "given"
+    assert data["retention"] == "last 1 or milestone (steps 20, 40) or pinned"
+    assert data["removed"] == [10, 30, 50] and steps_on_disk(ckpt) == [20, 40, 60]
+
+    assert main(["prune", str(ckpt), "--keep-milestones", "pow2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "milestone (power-of-two steps)" in out and "would remove step(s) 20, 40; would keep 60" in out
+
+
+def test_prune_without_a_rule_or_a_recorded_one_is_a_usage_error(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lock = SidecarLock(ckpt / ".lock")
+    try:
+        for step in LOSSES:  # records of a job that recorded no retention
+            amend_record(ckpt / f"step_{step}", lock, DEFAULT_FILE_OPS, retention=None)
+    finally:
+        lock.close()
     before = tree(ckpt)
     assert main(["prune", str(ckpt)]) == 2
-    assert "prune needs a rule" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no retention to prune" in err and "--keep-milestones" in err
     assert tree(ckpt) == before
 
 
@@ -312,6 +451,70 @@ def test_pin_missing_step(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["pin", str(ckpt), "15"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no checkpoint of step 15" in err
+
+
+# --- piped tables ------------------------------------------------------------------------------
+
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
+def test_piped_tables_are_plain_text_one_line_per_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    root = tmp_path / ("a_long_directory_name_" * 4) / "ckpt"
+    metrics = {"val_loss": 0.50412345, "a_rather_long_metric_name": 12.5}
+    with CheckpointManager(root, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.zeros(3)}, metrics=metrics)
+    leftover = root / ".trash" / ("step_0.pruned.0123456789ab")
+    leftover.mkdir(parents=True)
+    (leftover / "f").write_bytes(b"z" * 2048)
+
+    ls = run_cli("ls", root)
+    assert ls.returncode == 0, ls.stderr
+    lines = ls.stdout.splitlines()
+    rows = table_rows(ls.stdout)
+    assert sorted(rows) == [10, 20]
+    for row in rows.values():
+        assert "a_rather_long_metric_name=12.5 val_loss=0.5041" in row and "committed" in row
+    assert "latest" in rows[20]
+    assert str(root) in lines[0] and lines[1].split() == [
+        "step",
+        "time",
+        "size",
+        "metrics",
+        "status",
+        "why",
+        "kept",
+    ]
+    assert max(map(len, lines)) > 80  # wider than the terminal width, and still not wrapped
+
+    gc = run_cli("gc", root, "--dry-run")
+    assert gc.returncode == 0, gc.stderr
+    row = next(line for line in gc.stdout.splitlines() if line.startswith("trash "))
+    assert row.split() == ["trash", ".trash/step_0.pruned.0123456789ab", "2.0", "KiB", "would", "remove"]
+
+    inspect = run_cli("inspect", root, "10")
+    assert inspect.returncode == 0, inspect.stderr
+    assert any(line.split()[:3] == ["w", "float32", "3"] for line in inspect.stdout.splitlines())
+    assert any(line.startswith("train_state.rank0.safetensors ") for line in inspect.stdout.splitlines())
+
+    for proc in (ls, gc, inspect):
+        assert not BOX_DRAWING.search(proc.stdout), proc.stdout
+
+
+def test_tables_on_a_terminal_are_drawn_by_rich() -> None:
+    table = Table(title="checkpoints")
+    table.add_column("step", justify="right")
+    table.add_column("metrics", overflow="fold")
+    table.add_row("10", "[red]val_loss=0.504[/]")
+    drawn = io.StringIO()
+    print_table(Console(file=drawn, force_terminal=True, width=80), table)
+    assert BOX_DRAWING.search(drawn.getvalue()) and "val_loss=0.504" in drawn.getvalue()
+    piped = io.StringIO()
+    print_table(Console(file=piped, width=80), table)
+    assert piped.getvalue() == "checkpoints\nstep  metrics\n  10  val_loss=0.504\n"
 
 
 # --- errors, as a user sees them -----------------------------------------------------------------
@@ -347,6 +550,7 @@ def test_bad_argument_is_one_line_and_a_traceback_only_when_debugging(
     [
         pytest.param(["ls"], id="missing-root"),
         pytest.param(["prune", "x", "--keep-last", "0"], id="zero"),
+        pytest.param(["prune", "x", "--keep-milestones", "10,ten"], id="bad-milestones"),
         pytest.param(["pin", "x", "ten"], id="not-a-number"),
         pytest.param(["frobnicate"], id="unknown-command"),
     ],

@@ -100,11 +100,26 @@ def test_gc_leaves_a_live_jobs_save_alone(tmp_path: Path) -> None:
     try:
         staged = sorted(p.name for p in staging.iterdir())
         planted = plant(root)
+        noted, moving = root / ".damaged" / "step_0.0123456789ab", root / ".damaged" / "step_1.0123456789ab"
+        for damaged in (noted, moving):
+            damaged.mkdir(parents=True)
+            (damaged / "__0_0.distcp").write_bytes(b"d" * 100)
+        (noted / "damaged.json").write_text(
+            json.dumps({"step": 0, "reason": "bad bytes", "time": 1.0, "seq": 1})
+        )
+        heartbeat_tmp = root / ".owner.tmp.0123456789ab"  # what a live owner's heartbeat write looks like
+        heartbeat_tmp.write_text("{}")
         proc = run_cli("gc", root, "--json")
         assert proc.returncode == 0, proc.stderr
         data = json.loads(proc.stdout)
         assert data["owner_alive"] is True
         items = items_by_path(data)
+        # a damaged checkpoint is no writer's business once moved aside (its note written)
+        assert items[str(noted)]["action"] == "removed" and not noted.exists()
+        assert items[str(moving)]["action"] == "skipped" and "moving it aside" in items[str(moving)]["reason"]
+        assert items[str(heartbeat_tmp)]["action"] == "skipped" and heartbeat_tmp.exists()
+        assert moving.is_dir()
+        heartbeat_tmp.unlink()
         assert items[str(staging)]["action"] == "skipped" and items[str(staging)]["kind"] == "staging"
         assert sorted(p.name for p in staging.iterdir()) == staged  # untouched
         # the live writer's trash is its own deleter's business
@@ -166,6 +181,30 @@ def test_gc_removes_everything_a_dead_job_left(tmp_path: Path, capsys: pytest.Ca
 
     assert main(["gc", str(root)]) == 0
     assert "nothing to collect" in capsys.readouterr().out
+
+
+def test_gc_collects_staging_when_no_owner_record_says_a_writer_lives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live writer always has an owner record: staging in a root without one is a leftover."""
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)})
+    assert not (root / ".owner").exists()  # close() gave the root up
+    leftover = root / ".staging" / "step_2.0123456789ab"
+    leftover.mkdir(parents=True)
+    (leftover / "__0_0.distcp").write_bytes(b"x" * 1000)
+
+    assert main(["gc", str(root), "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["owner_alive"] is None
+    assert items_by_path(dry)[str(leftover)]["action"] == "would remove" and leftover.is_dir()
+
+    assert main(["gc", str(root), "--json"]) == 0
+    item = items_by_path(json.loads(capsys.readouterr().out))[str(leftover)]
+    assert (item["kind"], item["action"], item["size"]) == ("staging", "removed", 1000)
+    assert not leftover.exists() and not any((root / ".trash").iterdir())
+    assert main(["verify", str(root)]) == 0
 
 
 def test_gc_table_and_missing_root(tmp_path: Path) -> None:

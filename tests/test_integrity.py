@@ -373,7 +373,9 @@ def test_a_record_of_another_step_is_not_believed(root: Path) -> None:
         assert mgr.restore(make_state()).step == 1
 
 
-@pytest.mark.parametrize("time_value", [1e20, -5, "soon", float("nan")])
+# Any finite number is a time the writer may have written (a host clock before 1970, or far
+# ahead): the reader accepts it (tests/test_record.py). Only a time that is no number is invalid.
+@pytest.mark.parametrize("time_value", ["soon", float("nan"), True])
 def test_a_record_with_an_impossible_time_is_invalid_not_a_crash(root: Path, time_value: object) -> None:
     _saves(root)
     path = root / "step_2" / "metadata.json"

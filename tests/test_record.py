@@ -7,6 +7,7 @@ import json
 import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,12 @@ import pytest
 import torch
 
 from faults import FaultyFileOps, LockRecordingFileOps
+from safeckpt import CheckpointManager
+from safeckpt.cli import main
 from safeckpt.errors import IncompleteCheckpointError, InvalidSaveError
 from safeckpt.layout import RECORD_NAME
 from safeckpt.lock import SidecarLock
+from safeckpt.maintenance import verify
 from safeckpt.record import (
     COMMITTED,
     Record,
@@ -78,6 +82,8 @@ CHECKSUMS = {"__0_0.distcp": {"crc32": [[0, 6, 1], [6, 4, 2]]}, "part.bin": {"cr
         pytest.param(Record(step=0, time=0.0, files={}), id="minimal"),
         pytest.param(a_record(status="writing", metrics={}, extra={}), id="not-committed"),
         pytest.param(a_record(checksums=CHECKSUMS), id="with-checksums"),
+        pytest.param(a_record(time=-3.0e7), id="before-1970"),
+        pytest.param(a_record(time=1.0e17), id="beyond-gmtime"),
     ],
 )
 def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> None:
@@ -104,6 +110,36 @@ def test_the_record_is_indented_for_a_reader_but_its_checksum_rows_are_compact()
     assert '\n  "step": 5,\n' in text and text.endswith("\n}\n")
     assert '\n  "checksums": {"__0_0.distcp":{"crc32":[[0,6,1],[6,4,2]]},"part.bin":' in text
     assert text.count("\n") == encode(a_record()).decode().count("\n")  # the rows add no lines
+
+
+@pytest.mark.parametrize("clock", [pytest.param(-3.0e7, id="1969"), pytest.param(3.0e11, id="year-11476")])
+def test_a_checkpoint_saved_under_a_broken_clock_is_read_back(
+    root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], clock: float
+) -> None:
+    """Whatever time a host clock says, the record written then is one the reader accepts: resume
+    and verify take that checkpoint instead of skipping it as invalid."""
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(3)})
+        with monkeypatch.context() as patched:
+            patched.setattr(time, "time", lambda: clock)
+            mgr.save(2, {"w": torch.ones(3)})
+    record = read_record(root / "step_2", step=2)
+    assert record is not None and record.committed and record.time == clock
+    assert verify(root) == {1: [], 2: []}
+    state = {"w": torch.zeros(3)}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state).step == 2
+    assert torch.equal(state["w"], torch.ones(3))
+    assert main(["verify", str(root)]) == 0
+    assert "2 checked, 0 broken" in capsys.readouterr().out
+    assert main(["ls", str(root), "--json"]) == 0
+    listed = {c["step"]: c for c in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert listed[2]["status"] == "committed" and listed[2]["time"] == clock
+
+
+def test_a_time_that_is_not_finite_is_refused() -> None:
+    with pytest.raises(IncompleteCheckpointError, match="not a finite number"):
+        Record.from_json({**GOOD, "time": math.inf})
 
 
 def test_no_record_reads_as_none(ckpt: Path) -> None:

@@ -3,6 +3,7 @@ policies, and custom policies in ``CheckpointManager(retention=...)``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,22 @@ def test_should_save_follows_the_schedule(root: Path) -> None:
         assert not mgr.preempted
     with CheckpointManager(root) as mgr:  # no schedule: nothing is due
         assert not any(mgr.should_save(s) for s in range(1, 10))
+
+
+def test_should_save_without_a_schedule_warns_once_per_manager(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for _ in range(2):  # once for each manager, not once per step
+        with CheckpointManager(root) as mgr:
+            caplog.clear()
+            assert not any(mgr.should_save(s) for s in range(1, 10))
+            warnings = [r for r in caplog.records if "should_save()" in r.getMessage()]
+            assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+            assert "schedule=SaveSchedule(every=N)" in warnings[0].getMessage()
+    caplog.clear()
+    with CheckpointManager(root, schedule=SaveSchedule(every=3)) as mgr:
+        assert [s for s in range(1, 7) if mgr.should_save(s)] == [3, 6]
+    assert not [r for r in caplog.records if "should_save()" in r.getMessage()]
 
 
 def test_should_save_every_seconds_counts_from_the_last_save(root: Path) -> None:

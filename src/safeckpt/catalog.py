@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +113,39 @@ def scan(root: Path) -> Catalog:
         trash=trash,
         damaged=tuple(layout.damaged_entries()),
     )
+
+
+# Waits between the scans of settled_scan(): a commit moves `latest` and prunes within
+# milliseconds, so a few short tries see a settled root; bounded, 0.35 s in all.
+_RESCAN_WAITS = (0.01, 0.02, 0.04, 0.08, 0.2)
+
+
+def settled_scan(root: Path) -> Catalog:
+    """:func:`scan`, taken again (a few bounded times) while it caught a writer mid-commit.
+
+    A scan lists the step directories, then reads their records, then ``latest``: a commit
+    (and the pruning after it) in between makes the pointer name a step the listing lacks,
+    or a listed directory vanish. A reader on a root a job is writing (``safeckpt verify``,
+    ``ls``) takes the catalog this way; what still disagrees after the last try is reported.
+    Entries that vanished (pruned) after the listing are left out.
+    """
+    catalog = scan(root)
+    for wait in _RESCAN_WAITS:
+        if _settled(catalog):
+            break
+        time.sleep(wait)
+        catalog = scan(root)
+    present = tuple(e for e in catalog.entries if e.committed or os.path.lexists(e.path))
+    return dataclasses.replace(catalog, entries=present)
+
+
+def _settled(catalog: Catalog) -> bool:
+    """Whether ``catalog`` shows no sign of a commit or prune that ran while it was read."""
+    if catalog.latest_name is not None and catalog.pointer_step is None:
+        return False  # `latest` names a step the listing has not (yet) seen committed
+    if catalog.latest_name is None and catalog.committed:
+        return False  # a first commit: its directory is in place, `latest` not yet
+    return all(e.committed or os.path.lexists(e.path) for e in catalog.entries)
 
 
 def _entry(step: int, path: Path) -> Entry:

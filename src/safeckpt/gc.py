@@ -2,15 +2,21 @@
 
 What is collected:
 
-* ``staging``: ``.staging/`` entries, only when the root's owner record says its
-  writer is gone (never a live owner's saves in flight; with no owner record at
-  all, staging is left alone, since a writer may be running);
+* ``staging``: ``.staging/`` entries, unless a live writer owns the root (never a
+  live owner's saves in flight). A root with no owner record has no live writer:
+  a writer claims the root (writes its owner record, under the sidecar lock gc
+  holds) before it stages anything, and removes the record only at ``close()``,
+  so staging found without one is the leftover of a crash or an older version;
 * ``trash``: ``.trash/`` entries (pruned or abandoned checkpoints), unless a live
   writer owns the root (its own deleter removes them);
 * ``nfs`` / ``fuse``: ``.nfs*`` and ``.fuse_hidden*`` files that are no longer in
   use (removal is tried; a file still open somewhere refuses it and is skipped);
 * ``temp``: orphan temp files of atomic writes (``.latest.tmp.*``, ``.<name>.tmp.*``
-  in step directories, DCP's ``.metadata.tmp``).
+  in step directories, DCP's ``.metadata.tmp``);
+* ``damaged``: ``.damaged/`` entries, checkpoints auto-resume found unloadable and
+  moved aside (never loaded, never pruned: kept for a look until gc removes them),
+  live writer or not, since no writer uses them again; only one without its
+  ``damaged.json`` note is left to a live writer (it may be moving it aside).
 
 Every decision and every removal attempt holds the sidecar lock, so a file a live
 writer is still writing (its temp files exist only while it holds the lock) is
@@ -29,10 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .catalog import damaged_note
 from .errors import CheckpointNotFoundError
 from .fileops import DEFAULT_FILE_OPS, FileOps
-from .layout import REPLACED, STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname, parse_trash_name
+from .layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
 from .lock import SidecarLock
+from .ownership import read_owner
 from .removal import (
     Deleter,
     RetryBudget,
@@ -46,6 +54,7 @@ TRASH = "trash"
 NFS = "nfs"
 FUSE = "fuse"
 TEMP = "temp"
+DAMAGED = "damaged"
 
 REMOVED = "removed"
 WOULD_REMOVE = "would remove"
@@ -108,10 +117,6 @@ class GcReport:
 
 def owner_state(root: Path, *, stale_after: float | None = None) -> tuple[bool | None, str]:
     """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is."""
-    try:
-        from .ownership import read_owner
-    except ImportError:  # a safeckpt without owner records: assume a writer may be running
-        return None, "unknown (this safeckpt keeps no owner records)"
     owner = read_owner(root)
     if owner is None:
         return None, "no owner record"
@@ -159,28 +164,30 @@ def _collect(
     with lock:
         alive, who = owner_state(layout.root, stale_after=stale)
         report = GcReport(layout.root, dry_run, who, alive)
-        writer_gone = alive is False
+        # no live writer: its owner is gone, or there is no owner record (nobody claimed the root;
+        # a writer claims it under this lock before it stages a save, so none can start meanwhile)
+        writer_gone = alive is not True
         if writer_gone and not dry_run:
             report.restored_steps = recover_interrupted_replacements(layout, lock, ops)
         for entry in layout.staging_entries():
             item = GcItem(entry, STAGING, _tree_size(entry))
             if not writer_gone:
                 item.action = SKIPPED
-                item.reason = (
-                    "the root's writer is alive" if alive else "no owner record says its writer is gone"
-                ) + "; a save may be in flight"
+                item.reason = "the root's writer is alive; a save may be in flight"
             report.items.append(item)
         for entry in layout.trash_entries():
             item = GcItem(entry, TRASH, _tree_size(entry))
-            parsed = parse_trash_name(entry.name)
             if alive:
-                # the live writer's own deleter removes its trash (with its retries); a root
-                # has one writer, and nothing touches a live owner's files
+                # the live writer's own deleter removes its trash (with its retries), and the old
+                # copy of a replacement in progress is its; nothing touches a live owner's files
                 item.action = SKIPPED
                 item.reason = "the root's live writer deletes its own trash"
-            elif parsed is not None and parsed[1] == REPLACED and not writer_gone:
+            report.items.append(item)
+        for entry in layout.damaged_entries():
+            item = GcItem(entry, DAMAGED, _tree_size(entry))
+            if alive and not damaged_note(entry):
                 item.action = SKIPPED
-                item.reason = "the old copy of a replacement in progress"
+                item.reason = "it has no note yet: the live writer may be moving it aside"
             report.items.append(item)
         for path, kind in _loose_files(layout):
             item = GcItem(path, kind, _tree_size(path))
@@ -201,7 +208,7 @@ def _collect(
                     moved[item.path] = target
     budget = RetryBudget()
     for item in report.items:
-        if item.kind in (NFS, FUSE, TEMP):
+        if item.kind in (NFS, FUSE, TEMP, DAMAGED) and item.action == WOULD_REMOVE:
             result = remove_tree(item.path, budget, lock, ops)
             _conclude(item, result.removed, result.error)
     if not alive and any(i.kind in (STAGING, TRASH) and i.action == WOULD_REMOVE for i in report.items):

@@ -19,7 +19,7 @@ from . import dcp_io
 from .catalog import Catalog, scan, verify_files
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import Layout, parse_step_dirname
-from .maintenance import infos, protected_steps
+from .maintenance import infos, protected_steps, recorded_retention
 from .record import list_files, read_record
 from .restore import choose_checkpoint
 from .retention import Retention, explain
@@ -30,17 +30,6 @@ SCHEMA_VERSION = 1
 LATEST = "latest"
 NEWEST_COMPLETE = "newest complete"
 GIVEN = "given"
-
-
-def recorded_retention(catalog: Catalog) -> Retention | None:
-    """The retention the job that wrote the newest record used, if it says."""
-    for entry in sorted(catalog.committed.values(), key=lambda e: e.step, reverse=True):
-        if entry.record is not None and entry.record.retention is not None:
-            try:
-                return Retention.from_json(entry.record.retention)
-            except (CheckpointError, TypeError):
-                return None
-    return None
 
 
 def kept_because(catalog: Catalog, retention: Retention | None) -> dict[int, list[str]]:

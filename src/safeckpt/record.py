@@ -31,7 +31,6 @@ from .lock import SidecarLock
 
 FORMAT_VERSION = 2
 _FLAT_NAME = re.compile(r"[^/\\\x00]+")
-_LATEST_SANE_TIME = 1e11  # year 5138: later is a damaged or forged record, and gmtime() overflows
 # A record is a few KiB, up to a few MiB with the checksums of 10^5 tensors; more is damage.
 MAX_RECORD_BYTES = 64 << 20
 COMMITTED = "committed"
@@ -68,7 +67,7 @@ class Record:
             "status": self.status,
             "seq": self.seq,
             "time": self.time,
-            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.time)),
+            "time_iso": utc_iso(self.time),
             "metrics": {k: encode_float(v) for k, v in self.metrics.items()},
             "files": dict(sorted(self.files.items())),
             "world_size": self.world_size,
@@ -107,8 +106,10 @@ class Record:
             record_time = data["time"]
             if isinstance(record_time, bool) or not isinstance(record_time, (int, float)):
                 raise TypeError("'time' must be a number")
-            if not 0 <= record_time < _LATEST_SANE_TIME:
-                raise ValueError(f"'time' {record_time!r} is not a time a checkpoint was written at")
+            # Any finite time the writer can write is read back: a host clock set before 1970 (or far
+            # ahead) writes such times, and refusing them would skip whole checkpoints on resume.
+            if not math.isfinite(record_time):
+                raise ValueError(f"'time' {record_time!r} is not a finite number")
             checksums = _optional_dict(data.get("checksums"))
             if checksums is not None and set(checksums) != set(files):
                 raise ValueError("'checksums' must cover exactly the files the record lists")
@@ -152,6 +153,14 @@ class Record:
     @property
     def size(self) -> int:
         return sum(self.files.values())
+
+
+def utc_iso(seconds: float) -> str | None:
+    """``seconds`` (Unix time) as ISO 8601 UTC; None when the platform cannot represent it."""
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+    except (OverflowError, OSError, ValueError):  # far beyond year 9999 or before year 1
+        return None
 
 
 def _metrics(value: Any) -> dict[str, float | None]:

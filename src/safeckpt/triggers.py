@@ -24,6 +24,11 @@ logger = logging.getLogger("safeckpt.manager")
 __all__ = ["SaveTriggers"]
 
 
+def _never_due(schedule: SaveSchedule | None) -> bool:
+    """Whether ``schedule`` says no step is ever due (none given, or one with no rule)."""
+    return schedule is None or (schedule.every is None and schedule.milestones is None and not schedule.timed)
+
+
 class SaveTriggers:
     """When the training loop should save (a part of :class:`~safeckpt.manager.CheckpointManager`)."""
 
@@ -34,6 +39,7 @@ class SaveTriggers:
     _last_save: float  # time.monotonic() of the last save() call
     _preempted_by: int | None
     _check_open: Callable[[], None]
+    _warned_never_due: bool = False  # set on the instance: once per manager
 
     def should_save(self, step: int) -> bool:
         """Whether to save ``step`` (steps completed) now; the same answer on every rank.
@@ -43,6 +49,8 @@ class SaveTriggers:
         rules need no agreement; the ``every_seconds`` clock is rank 0's, and
         signals count on every rank, which takes one small collective over the
         manager's control group per call: call it on every rank, once per step.
+        With no schedule and no ``preemption_signals`` it is False for every step,
+        and a warning says so once.
         """
         with self._api_lock:  # its collective must not overlap a close() from another thread
             return self._should_save(step)
@@ -51,6 +59,8 @@ class SaveTriggers:
         self._check_open()
         step = validate_step(step)
         schedule = self.schedule
+        if not self._signals.signals and _never_due(schedule):
+            self._warn_never_due()
         due = schedule is not None and schedule.due_at_step(step)
         timed = schedule is not None and schedule.timed
         if not (timed or self._signals.signals):
@@ -74,6 +84,18 @@ class SaveTriggers:
             )
             return True
         return due or bool(gathered[0][1])
+
+    def _warn_never_due(self) -> None:
+        # should_save() then answers False for every step, and a loop that saves only
+        # when it says so never saves: say it once, not once per step
+        if self._warned_never_due:
+            return
+        self._warned_never_due = True
+        logger.warning(
+            "safeckpt: should_save() answers False for every step: this manager has no save schedule "
+            "(and no preemption_signals). Pass schedule=SaveSchedule(every=N) (or milestones=..., "
+            "every_seconds=...) to CheckpointManager, or call save() without asking should_save()."
+        )
 
     @property
     def preempted(self) -> bool:

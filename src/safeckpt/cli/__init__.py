@@ -3,7 +3,7 @@
     safeckpt ls ROOT [--json] [--keep-last N] [--keep-best K --metric NAME] ...
     safeckpt inspect ROOT [STEP|PATH] [--json]
     safeckpt verify ROOT [STEP ...] [--json]
-    safeckpt prune ROOT --keep-last N ... [--dry-run] [--json]
+    safeckpt prune ROOT [--keep-last N ...] [--dry-run] [--json]   (no rule: the job's recorded one)
     safeckpt pin ROOT STEP / safeckpt unpin ROOT STEP
     safeckpt gc ROOT [--dry-run] [--json]
     safeckpt export ROOT --to OUT [--step N] [--key model] [--format safetensors|hf] ...

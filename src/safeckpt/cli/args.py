@@ -6,6 +6,7 @@ import argparse
 
 from ..errors import ConfigError
 from ..retention import Retention
+from ..schedule import POW2
 
 
 def positive_int(text: str) -> int:
@@ -47,6 +48,13 @@ def add_retention_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="keep every checkpoint whose step is a multiple of N",
     )
+    group.add_argument(
+        "--keep-milestones",
+        type=milestones,
+        metavar="STEPS",
+        help="keep the checkpoints of milestone steps: 'pow2' (1, 2, 4, 8, ...) or a list like "
+        "1000,5000,20000 (what the job's SaveSchedule(milestones=...) saves)",
+    )
 
 
 def retention_from_args(args: argparse.Namespace) -> Retention | None:
@@ -59,7 +67,8 @@ def retention_from_args(args: argparse.Namespace) -> Retention | None:
         raise ConfigError(
             f"--metric {args.metric} has no effect without --keep-best K; add it, or drop --metric."
         )
-    if args.keep_last is None and args.keep_best is None and args.keep_every is None:
+    rules = (args.keep_last, args.keep_best, args.keep_every, args.keep_milestones)
+    if all(rule is None for rule in rules):
         return None
     return Retention(
         keep_last=args.keep_last,
@@ -67,7 +76,24 @@ def retention_from_args(args: argparse.Namespace) -> Retention | None:
         metric=args.metric,
         mode=args.mode,
         keep_every=args.keep_every,
+        keep_milestones=args.keep_milestones,
     )
+
+
+def milestones(text: str) -> str | list[int]:
+    """``pow2``, or milestone steps as a comma-separated list (``1000,5000,20000``)."""
+    value = text.strip().lower()
+    if value == POW2:
+        return POW2
+    try:
+        steps = [int(part) for part in value.split(",")]
+    except ValueError:
+        steps = []
+    if not steps or any(step < 0 for step in steps):
+        raise argparse.ArgumentTypeError(
+            f"must be 'pow2' or non-negative steps separated by commas (1000,5000), got {text!r}"
+        )
+    return steps
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}

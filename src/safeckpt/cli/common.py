@@ -3,6 +3,8 @@
 Output rules: data goes to stdout (a rich table on a terminal, plain text when
 piped, JSON with ``--json``); progress bars and errors go to stderr, and a bar
 is drawn only when stderr is a terminal, so a pipe or a log file never sees one.
+Every table goes through :func:`print_table`: piped, it is one line per row with
+space-aligned columns, never box-drawn, wrapped or folded, whatever the width.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from ..errors import (
     CheckpointError,
@@ -78,6 +82,42 @@ def out() -> Console:
     """The stdout console: rich on a terminal, plain text when piped."""
     # soft_wrap: long lines (a hash, a path) stay whole when piped, where the width is 80
     return Console(highlight=False, soft_wrap=True)
+
+
+def print_table(console: Console, table: Table) -> None:
+    """``table`` on ``console``: drawn by rich on a terminal, :func:`plain_table` lines otherwise."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    for line in plain_table(table):
+        console.out(line, highlight=False)  # out(): no markup, no wrapping, no cropping
+
+
+def plain_table(table: Table) -> list[str]:
+    """``table`` as plain lines: its title, a header and one line per row, columns aligned with
+    spaces (numbers to the right). A cell's markup is dropped, its line breaks become spaces and
+    an empty cell is ``-``, so a row stays one line, whole, at any width."""
+    columns = table.columns
+    header = [_plain_cell(c.header) for c in columns]
+    rows = [header, *zip(*([_plain_cell(cell) for cell in c.cells] for c in columns), strict=True)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [_plain_text(table.title)] if table.title else []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if column.justify == "right" else cell.ljust(width)
+            for cell, width, column in zip(row, widths, columns, strict=True)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _plain_text(value: object) -> str:
+    text = Text.from_markup(value) if isinstance(value, str) else value
+    return text.plain if isinstance(text, Text) else str(value)
+
+
+def _plain_cell(value: object) -> str:
+    return " ".join(_plain_text(value).split()) or "-"
 
 
 def print_json(data: dict[str, Any]) -> None:

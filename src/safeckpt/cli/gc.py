@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ..failures import human_size
 from ..gc import REMOVED, SKIPPED, collect_garbage
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if item.action == SKIPPED:
             action = f"[yellow]{action}[/]"
         table.add_row(item.kind, str(item.path.relative_to(root)), human_size(item.size), action)
-    console.print(table)
+    print_table(console, table)
     for step in report.restored_steps:
         console.print(f"put back step {step}: a save that replaced it was interrupted")
     removed = [i for i in report.items if i.action == REMOVED]
@@ -51,11 +51,12 @@ def add_parser(commands: Any) -> None:
     parser = add_command(
         commands,
         "gc",
-        help="remove leftovers: dead owners' staging, trash, .nfs/.fuse_hidden files, temp files",
-        description="Remove what crashes and old versions left in ROOT: .staging/ entries of an owner "
-        "that is gone (never a live job's saves in flight), .trash/, .nfs* and .fuse_hidden* files "
-        "no longer in use, and orphan temp files. Holds the sidecar lock; safe while a job trains. "
-        "Reports the bytes freed.",
+        help="remove leftovers: dead owners' staging, trash, damaged checkpoints moved aside, "
+        ".nfs/.fuse_hidden files, temp files",
+        description="Remove what crashes and old versions left in ROOT: .staging/ entries when no live "
+        "job owns the root (never a live job's saves in flight), .trash/, checkpoints auto-resume "
+        "moved aside into .damaged/, .nfs* and .fuse_hidden* files no longer in use, and orphan temp "
+        "files. Holds the sidecar lock; safe while a job trains. Reports the bytes freed.",
         examples="""
 safeckpt gc runs/exp1 --dry-run
 safeckpt gc runs/exp1 --json | jq .bytes_freed

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..failures import human_size
 from ..inspection import inspect_checkpoint
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -66,7 +66,7 @@ def render(console: Console, data: dict[str, Any]) -> None:
             sharding = f"{len(chunks)} chunks" if t["sharded"] else "whole"
             shape = "x".join(map(str, t["shape"])) or "scalar"
             table.add_row(t["fqn"], t["dtype"], shape, human_size(t["bytes"]), sharding)
-        console.print(table)
+        print_table(console, table)
 
     files = Table(title="files", title_justify="left")
     files.add_column("name", overflow="fold")
@@ -76,7 +76,7 @@ def render(console: Console, data: dict[str, Any]) -> None:
         if f["recorded_size"] is not None and f["size"] is not None and f["size"] != f["recorded_size"]:
             size += f" (recorded {human_size(f['recorded_size'])})"
         files.add_row(f["name"], size)
-    console.print(files)
+    print_table(console, files)
 
     for name, state in (data["train_state"] or {}).items():
         console.print(f"[bold]{name}[/] (rng: {', '.join(state['rng'] or []) or 'none'})")

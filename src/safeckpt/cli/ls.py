@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from ..catalog import Entry, scan, verify_files
+from ..catalog import Entry, settled_scan, verify_files
 from ..failures import human_size
 from ..inspection import kept_because, recorded_retention
+from ..maintenance import Damaged, damaged_checkpoints
 from ..record import list_files
 from ..retention import Retention
 from .args import add_retention_arguments, retention_from_args
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -31,7 +34,7 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     removes it.
     """
     path = existing_root(root)
-    catalog = scan(path)
+    catalog = settled_scan(path)  # a job may be committing and pruning as we read
     source = "given"
     if retention is None:
         retention = recorded_retention(catalog)
@@ -40,6 +43,8 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     checkpoints = []
     for entry in catalog.entries:
         problems = verify_files(entry)
+        if problems and not os.path.lexists(entry.path):
+            continue  # pruned since the scan: gone, not incomplete
         record = entry.record
         kept = reasons.get(entry.step, []) if not problems else []
         checkpoints.append(
@@ -67,11 +72,21 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
         "checkpoints": checkpoints,
         "staging": [p.name for p in catalog.staging],
         "trash": [p.name for p in catalog.trash],
+        "damaged": [_damaged_json(d) for d in damaged_checkpoints(catalog)],
     }
 
 
-def _local_iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+def _damaged_json(damaged: Damaged) -> dict[str, Any]:
+    data = damaged.to_json()
+    data["time_iso"] = _local_iso(damaged.time) if damaged.time is not None else None
+    return data
+
+
+def _local_iso(t: float) -> str | None:
+    try:
+        return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):  # a record written by a far-off clock: beyond year 9999
+        return None
 
 
 def _disk_size(entry: Entry) -> int:
@@ -87,7 +102,7 @@ def _metrics_text(metrics: dict[str, float | None]) -> str:
 
 def render(console: Console, data: dict[str, Any]) -> None:
     """Print ``listing()``'s data as a table, with leftovers and a broken ``latest`` as footnotes."""
-    if not data["checkpoints"]:
+    if not data["checkpoints"] and not data["damaged"]:
         console.print(f"no checkpoints in {data['root']}")
     else:
         title = f"checkpoints in {data['root']}"
@@ -102,27 +117,46 @@ def render(console: Console, data: dict[str, Any]) -> None:
         table.add_column("status", overflow="fold")
         table.add_column("why kept", overflow="fold")
         for c in data["checkpoints"]:
-            time = c["time_iso"][:19].replace("T", " ") if c["time_iso"] else "-"
-            if c["status"] == COMMITTED:
-                status = "committed"
-            else:
-                status = f"[red]incomplete: {'; '.join(c['problems'])}[/]"
-            if c["kept_because"]:
-                kept = ", ".join(c["kept_because"])
-            elif c["status"] != COMMITTED:
-                kept = "not loadable; never pruned"
-            elif data["retention"]:
-                kept = "[yellow]nothing: the next prune removes it[/]"
-                if data["retention_source"] == "recorded":
-                    kept = "[yellow]nothing: the job prunes it at its next commit[/]"
-            else:
-                kept = ""
-            table.add_row(
-                str(c["step"]), time, human_size(c["size"]), _metrics_text(c["metrics"]), status, kept
-            )
-        console.print(table)
+            table.add_row(*_checkpoint_row(c, data))
+        for d in data["damaged"]:
+            table.add_row(*_damaged_row(d))
+        print_table(console, table)
     for note in footnotes(data):
         console.print(f"[dim]{note}[/]")
+
+
+def _checkpoint_row(c: dict[str, Any], data: dict[str, Any]) -> tuple[str, ...]:
+    status = "committed" if c["status"] == COMMITTED else f"[red]incomplete: {'; '.join(c['problems'])}[/]"
+    if c["kept_because"]:
+        kept = ", ".join(c["kept_because"])
+    elif c["status"] != COMMITTED:
+        kept = "not loadable; never pruned"
+    elif data["retention"]:
+        kept = "[yellow]nothing: the next prune removes it[/]"
+        if data["retention_source"] == "recorded":
+            kept = "[yellow]nothing: the job prunes it at its next commit[/]"
+    else:
+        kept = ""
+    return (
+        str(c["step"]),
+        _time_cell(c["time_iso"]),
+        human_size(c["size"]),
+        _metrics_text(c["metrics"]),
+        status,
+        kept,
+    )
+
+
+def _damaged_row(d: dict[str, Any]) -> tuple[str, ...]:
+    """A checkpoint moved aside into .damaged/: when it was moved and why, from its note."""
+    why = escape(f": {d['reason']}") if d["reason"] else ""
+    status = f"[red]damaged{why}[/]"
+    kept = escape(f"moved aside to .damaged/{Path(d['path']).name}; never loaded; `safeckpt gc` removes it")
+    return (str(d["step"]), _time_cell(d["time_iso"]), human_size(d["size"]), "", status, kept)
+
+
+def _time_cell(time_iso: str | None) -> str:
+    return time_iso[:19].replace("T", " ") if time_iso else "-"
 
 
 def footnotes(data: dict[str, Any]) -> list[str]:

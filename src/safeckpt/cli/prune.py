@@ -6,26 +6,22 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ConfigError
-from ..maintenance import prune, set_pinned
+from ..maintenance import RECORDED, prune, set_pinned
 from .args import add_retention_arguments, non_negative_int, retention_from_args
 from .common import EXIT_OK, add_command, existing_root, out, print_json
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    retention = retention_from_args(args)
-    if retention is None:
-        raise ConfigError(
-            "prune needs a rule: --keep-last N, --keep-best K --metric NAME, or --keep-every N "
-            "(without one every checkpoint is kept, so there is nothing to remove)."
-        )
     root = existing_root(args.root)
-    result = prune(root, retention, dry_run=args.dry_run)
+    # no rule given: the job's own (recorded) retention, so a prune does what its next commit would
+    result = prune(root, retention_from_args(args), dry_run=args.dry_run)
     if args.json:
         print_json(
             {
                 "root": str(root),
                 "dry_run": args.dry_run,
+                "retention": result.rule,
+                "retention_source": result.source,
                 "removed": result.removed,
                 "kept": result.kept,
                 "left_in_trash": [str(p) for p in result.left_in_trash],
@@ -33,6 +29,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     console = out()
+    whose = "the job's recorded retention" if result.source == RECORDED else "the rules given"
+    console.print(f"rule: {whose}: {result.rule}")
     kept = ", ".join(map(str, result.kept)) or "none"
     if not result.removed:
         console.print(f"nothing to remove in {root}; kept step(s) {kept}")
@@ -67,11 +65,15 @@ def add_parser(commands: Any) -> None:
         commands,
         "prune",
         help="remove the checkpoints retention does not keep",
-        description="Remove the checkpoints of ROOT that the retention rules do not keep. Never "
-        "removes the one `latest` names, pinned ones, or saves in progress; safe while a job trains.",
+        description="Remove the checkpoints of ROOT that the retention rules do not keep; with no "
+        "rule, those the job's recorded retention (in its newest record) does not keep. Says which "
+        "rule it applied. Never removes the one `latest` names, pinned ones, or saves in progress; "
+        "safe while a job trains.",
         examples="""
+safeckpt prune runs/exp1 --dry-run                 # the job's own retention: what would go?
 safeckpt prune runs/exp1 --keep-last 3 --dry-run
 safeckpt prune runs/exp1 --keep-last 2 --keep-best 1 --metric loss
+safeckpt prune runs/exp1 --keep-last 1 --keep-milestones pow2
 """,
     )
     parser.add_argument("root", metavar="ROOT")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from ..catalog import scan
-from ..maintenance import verify
+from rich.console import Console
+from rich.markup import escape
+
+from ..catalog import settled_scan
+from ..maintenance import VerifyReport, verify_root
 from .args import non_negative_int
 from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print_json, progress_bar
 
@@ -14,46 +18,47 @@ from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print
 def cmd_verify(args: argparse.Namespace) -> int:
     root = existing_root(args.root)
     steps = sorted(set(args.steps + (args.step or []))) or None
-    catalog = scan(root)
+    catalog = settled_scan(root)
     sizes = {e.step: e.record.size for e in catalog.entries if e.record is not None}
     total = sum(sizes.values()) if steps is None else sum(sizes.get(s, 0) for s in steps)
     with progress_bar("verifying", total) as advance:
-        report = verify(root, steps=steps, progress=advance)
-    latest_problem = None
-    pointer = catalog.pointer_step
-    if steps is None and report and pointer is None:
-        latest_problem = (
-            "`latest` is missing"
-            if catalog.latest_name is None
-            else f"`latest` names {catalog.latest_name}, which is not a committed checkpoint"
-        ) + "; auto-resume falls back to the newest complete checkpoint"
-    elif steps is None and pointer is not None and report.get(pointer):
-        latest_problem = f"`latest` names step {pointer}, which is broken"
-    broken = sorted(step for step, problems in report.items() if problems)
+        report = verify_root(root, steps=steps, progress=advance, catalog=catalog)
+    broken = sorted(step for step, problems in report.checkpoints.items() if problems)
     if args.json:
         print_json(
             {
                 "root": str(root),
-                "checkpoints": {str(step): problems for step, problems in sorted(report.items())},
+                "checkpoints": {str(step): problems for step, problems in sorted(report.checkpoints.items())},
                 "broken": broken,
-                "latest_problem": latest_problem,
-                "ok": not broken and latest_problem is None,
+                "latest_problem": report.latest_problem,
+                "damaged": [d.to_json() for d in report.damaged],
+                "ok": report.ok,
             }
         )
     else:
-        console = out()
-        if not report:
-            console.print(f"no checkpoints in {root}")
-        for step, problems in sorted(report.items()):
-            if problems:
-                console.print(f"step {step}: [red]BROKEN[/]: {'; '.join(problems)}")
-            else:
-                console.print(f"step {step}: ok")
-        if latest_problem:
-            console.print(f"[red]{latest_problem}[/]")
-        if report:
-            console.print(f"{len(report)} checked, {len(broken)} broken")
-    return EXIT_FAILED if broken or latest_problem else EXIT_OK
+        render(out(), root, report, broken)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def render(console: Console, root: Path, report: VerifyReport, broken: list[int]) -> None:
+    if not report.checkpoints:
+        console.print(f"no checkpoints in {root}")
+    for step, problems in sorted(report.checkpoints.items()):
+        if problems:
+            console.print(f"step {step}: [red]BROKEN[/]: {'; '.join(problems)}")
+        else:
+            console.print(f"step {step}: ok")
+    if report.latest_problem:
+        console.print(f"[red]{report.latest_problem}[/]")
+    for damaged in report.damaged:
+        # never loaded, so no problem of the root: a note, and `safeckpt gc` removes it
+        why = f": {damaged.reason}" if damaged.reason else ""
+        console.print(
+            escape(f"note: step {damaged.step} was moved aside as damaged{why} ({damaged.path}); it is ")
+            + "never loaded; `safeckpt gc` removes it"
+        )
+    if report.checkpoints:
+        console.print(f"{len(report.checkpoints)} checked, {len(broken)} broken")
 
 
 def add_parser(commands: Any) -> None:
