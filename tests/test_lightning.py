@@ -661,6 +661,45 @@ def test_managed_with_ckpt_path_last_and_next_to_a_model_checkpoint(
     assert any("a ModelCheckpoint runs next to ManagedCheckpoint" in r.getMessage() for r in caplog.records)
 
 
+def _managed_run(root: Path, out: Path, kill_epoch: int) -> subprocess.CompletedProcess[str]:
+    """lightning_crash_worker.py's ManagedCheckpoint run (see there), killed in ``kill_epoch``."""
+    command = [sys.executable, str(HERE / "lightning_crash_worker.py"), "managed", str(root), str(out)]
+    return subprocess.run(
+        [*command, str(kill_epoch)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    run = _managed_run(directory / "ckpt", directory / "out.json", -1)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((directory / "out.json").read_text())
+    assert result["restored_step"] is None
+    return str(result["weights"])
+
+
+# By the kind of save the run resumes from: the epoch it is killed in, the step it resumes from
+# (see lightning_crash_worker.py).
+KILLS = {"training_epoch_end": (1, 4), "validation_end": (4, 16)}
+
+
+@pytest.mark.parametrize("saved_at", list(KILLS))
+def test_managed_resume_after_kill_9_is_bit_exact(
+    tmp_path: Path, saved_at: str, uninterrupted_weights: str
+) -> None:
+    """Shuffled data and dropout: every RNG draw the resume adds or loses changes the final weights."""
+    root, out = tmp_path / "ckpt", tmp_path / "out.json"
+    kill_epoch, resumed_step = KILLS[saved_at]
+    killed = _managed_run(root, out, kill_epoch)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    resumed = _managed_run(root, out, -1)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["restored_step"] == resumed_step
+    assert result["weights"] == uninterrupted_weights
+
+
 def _launch(root: Path, strategy: str, epochs: int, world: int, out: Path) -> dict[str, Any]:
     import socket
 

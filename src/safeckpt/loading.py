@@ -10,10 +10,18 @@ current mesh), what is missing or unexpected, and what cannot be loaded.
 Only after every rank agreed that the plan is sound does DCP read, and
 :meth:`LoadPlan.apply` put the values, modules, optimizers and ``Stateful``
 objects in place.
+
+A list or dict the state holds at several paths (a ``SequentialLR``'s
+``_last_lr`` is its first scheduler's) is filled in place through the first
+path only; each later path gets a copy holding what was saved there, unless
+that is what the first path put (then the one object stays). Filled once per
+path, it would leave every path with the last path's values. Tensors are
+filled in place wherever they sit.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -122,6 +130,7 @@ class LoadPlan:
         self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
         self.per_rank: list[str] = []  # per_rank() values this rank loads its own saved values into
         self._actions: list[tuple[str, Callable[[], None]]] = []  # (the value's path, what loads it)
+        self._shared = _Shared()
 
     def report(self) -> LoadReport:
         return LoadReport(tuple(self.missing), tuple(self.unexpected))
@@ -184,7 +193,7 @@ class LoadPlan:
         :class:`UnsupportedStateError` naming it, which says the state is partly loaded: DCP
         has filled the state's tensors in place by then, and nothing can take that back.
         """
-        result = _apply(state, loaded)
+        result = _apply(state, loaded, self._shared)
         for where, action in self._actions:
             try:
                 action()
@@ -219,7 +228,7 @@ class LoadPlan:
             return module
         template = get_model_state_dict(module)
         loaded = self.plan(template, node, keys)
-        self._later(keys, lambda: set_model_state_dict(module, _apply(template, loaded)))
+        self._later(keys, lambda: set_model_state_dict(module, _apply(template, loaded, self._shared)))
         return module
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, node: Any, keys: tuple[Any, ...]) -> Any:
@@ -228,7 +237,9 @@ class LoadPlan:
             return optimizer
         template = get_optimizer_state_dict(module, optimizer)
         loaded = self.plan(template, node, keys)
-        self._later(keys, lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded)))
+        self._later(
+            keys, lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded, self._shared))
+        )
         return optimizer
 
     def _stateful(self, obj: Any, node: Any, keys: tuple[Any, ...]) -> Any:
@@ -236,7 +247,7 @@ class LoadPlan:
         # (a fresh optimizer has no moments yet, and gets the saved ones).
         template = obj.state_dict()
         loaded = self.plan(template, node, keys, full=True)
-        self._later(keys, lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded))))
+        self._later(keys, lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded, self._shared))))
         return obj
 
     def _per_rank(self, target: PerRank, node: Any, keys: tuple[Any, ...], full: bool) -> Any:
@@ -246,7 +257,7 @@ class LoadPlan:
             return target
         self.per_rank.append(display(keys) or "the state")
         inner = self.plan(target.value, node, keys, full)
-        self._later(keys, lambda: _put_per_rank(target, inner))
+        self._later(keys, lambda: _put_per_rank(target, inner, self._shared))
         return target
 
     def _saved_tensor(self, target: Any, saved: torch.Tensor, keys: tuple[Any, ...], full: bool) -> Any:
@@ -290,6 +301,7 @@ class LoadPlan:
             for k, child in items:
                 out[k] = self.plan(ABSENT, child, (*keys, k), full)
             return out
+        self._shared.reach(target)
         # An empty dict is a placeholder (a fresh optimizer's state_dict()["state"]): it gets
         # what the checkpoint has there, not a list of unexpected keys.
         full = full or not target
@@ -314,6 +326,7 @@ class LoadPlan:
         if not isinstance(target, (list, tuple)):
             items = {i: self.plan(ABSENT, child, (*keys, i), full) for i, child in enumerate(nodes)}
             return _Seq(items, len(nodes), is_tuple)
+        self._shared.reach(target)
         # An empty list is a placeholder too, and a list of plain values is one value: it is
         # replaced whole (a list of hyper-parameters has no "missing" entries).
         full = full or not target or not _has_tensor({"L": nodes})
@@ -388,31 +401,88 @@ def _unwrapped(value: Any) -> Any:
     return value
 
 
-def _put_per_rank(wrapper: PerRank, loaded: Any) -> None:
-    value = _apply(wrapper.value, loaded)
+def _put_per_rank(wrapper: PerRank, loaded: Any, shared: _Shared) -> None:
+    value = _apply(wrapper.value, loaded, shared)
     if value is not wrapper.value:  # a value replaced whole (a tensor of another shape, a number)
         wrapper.value = value
 
 
-def _apply(target: Any, loaded: Any) -> Any:
+class _Shared:
+    """The lists and dicts a state holds at more than one path, and how each is filled.
+
+    The plan :meth:`reach`-es every container of the state it matches; :meth:`fill` fills
+    a shared one in place through its first path and, for each later path, a copy of what
+    it held before (so what that path's checkpoint lacks keeps the state's value there).
+    """
+
+    def __init__(self) -> None:
+        self._reached: dict[int, Any] = {}  # by id, holding the objects so that no id is reused
+        self.shared: dict[int, Any] = {}
+        self._before: dict[int, Any] = {}  # a shared container's contents before its first fill
+
+    def reach(self, target: Any) -> None:
+        if not _fills_in_place(target):
+            return
+        if id(target) in self._reached:
+            self.shared[id(target)] = target
+        else:
+            self._reached[id(target)] = target
+
+    def fill(self, target: Any, loaded: Any) -> Any:
+        before = self._before.get(id(target))
+        if before is None:
+            self._before[id(target)] = copy.copy(target)
+            return _fill(target, loaded, self)
+        mine = _fill(copy.copy(before), loaded, self)
+        # What the first path put is what this path saved: one object, as the state had it.
+        return target if _alike(mine, target) else mine
+
+
+def _fills_in_place(value: Any) -> bool:
+    return isinstance(value, (dict, list)) or (isinstance(value, Mapping) and hasattr(value, "__setitem__"))
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """The same structure and values, tensors the same objects (their values are not compared)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    if isinstance(a, Mapping):
+        return list(a) == list(b) and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain ==: not known to be alike
+        return False
+
+
+def _apply(target: Any, loaded: Any, shared: _Shared) -> Any:
     """Put ``loaded`` into ``target`` where it is a container; the value for its position."""
     if loaded is target:
         return target
+    if shared.shared and id(target) in shared.shared and isinstance(loaded, (_Map, _Seq)):
+        return shared.fill(target, loaded)
+    return _fill(target, loaded, shared)
+
+
+def _fill(target: Any, loaded: Any, shared: _Shared) -> Any:
     if isinstance(loaded, _Map):
         if isinstance(target, dict) or (isinstance(target, Mapping) and hasattr(target, "__setitem__")):
             for k, v in loaded.items():
                 current = target.get(k, ABSENT)
-                new = _apply(current, v)
+                new = _apply(current, v, shared)
                 if new is not current:
                     target[k] = new
             return target
-        return {k: _apply(ABSENT, v) for k, v in loaded.items()}
+        return {k: _apply(ABSENT, v, shared) for k, v in loaded.items()}
     if isinstance(loaded, _Seq):
         if isinstance(target, (list, tuple)):
             values = list(target)
             for i in sorted(loaded.items):
                 current = values[i] if i < len(values) else ABSENT
-                new = _apply(current, loaded.items[i])
+                new = _apply(current, loaded.items[i], shared)
                 if i < len(values):
                     values[i] = new
                 else:
@@ -428,7 +498,7 @@ def _apply(target: Any, loaded: Any) -> Any:
                 a is not b for a, b in zip(values, target, strict=False)
             )
             return tuple(values) if changed else target
-        values = [_apply(ABSENT, loaded.items[i]) for i in range(loaded.length)]
+        values = [_apply(ABSENT, loaded.items[i], shared) for i in range(loaded.length)]
         return tuple(values) if loaded.is_tuple else values
     return loaded
 

@@ -15,6 +15,16 @@ This one writes no ``.ckpt`` files: it owns the run's resumable checkpoints
 
 Call rules: every rank runs the hooks (the manager's calls are collective). The
 manager is created in ``setup("fit")`` and closed in ``teardown``/``on_exception``.
+
+Resumed from an epoch-end save, a run ends as the uninterrupted one would have, RNG draws
+included. The checkpoint, RNG states too, is restored in ``on_fit_start``; Lightning's data
+setup then makes the train data iterator, drawing from the RNGs. From a save at validation
+end the loops replay that epoch's end and the next epoch makes an iterator of its own, so
+the setup's draws are ones the uninterrupted run never made: ``on_train_start`` sets the
+RNGs back to what the restore left. From a save at training-epoch end the next epoch takes
+the setup's iterator, made where the uninterrupted run made its own: nothing to undo. A save
+at a batch's end (``every_n_train_steps``) resumes as Lightning replays it, which is not
+always draw for draw.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from ..errors import ConfigError, UnsupportedStateError
 from ..manager import CheckpointManager
 from ..registry import Registrar
 from ..retention import Retention
+from ..train_state import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +140,7 @@ class ManagedCheckpoint(Checkpoint):
         """The step ``fit`` resumed from (None: it started fresh or from an explicit ``ckpt_path``)."""
         self.saved_steps: list[int] = []
         """Steps this callback handed to the manager during the current ``fit``."""
+        self._rng: dict[str, Any] | None = None  # the RNG states a resume left, until on_train_start
 
     @property
     def state_key(self) -> str:
@@ -162,12 +174,14 @@ class ManagedCheckpoint(Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resume (after the strategy wrapped the model and built the optimizers)."""
         self.restored_step = None
+        self._rng = None
         if not self.resume or trainer.ckpt_path is not None or self.manager is None:
             return
         holder = _TrainerState(trainer)
         # Not strict: the trainer's own state may differ in callbacks (one added since the save)
         # and that is fine; the weights and optimizer states must match, as Lightning requires.
         restored = self.manager.restore(self._state(trainer, holder), strict=False)
+        rng = capture_rng()  # as the restore left them: the checkpoint's, which it sets last
         mismatch = [
             p
             for p in (*restored.missing, *restored.unexpected)
@@ -198,7 +212,13 @@ class ManagedCheckpoint(Checkpoint):
         finally:
             connector._loaded_checkpoint = {}  # so the Trainer's own restore has nothing left to do
         self.restored_step = int(step)
+        self._rng = rng
         logger.info("safeckpt: resumed at global_step %d from %s", trainer.global_step, self.dirpath)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rng, self._rng = self._rng, None
+        if rng is not None and _replays_epoch_end(trainer):
+            restore_rng(rng)  # undo the draws of a data iterator the next epoch replaces (module doc)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         n = self.every_n_train_steps
@@ -265,6 +285,16 @@ class ManagedCheckpoint(Checkpoint):
         self.manager.save(step, self._state(trainer, _TrainerState(trainer)), metrics=metrics, overwrite=True)
         if step not in self.saved_steps[-1:]:
             self.saved_steps.append(step)
+
+
+def _replays_epoch_end(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop resumes an epoch whose batches had all ended but which was not over yet
+    (a save at validation end): Lightning replays the epoch's end, and the next epoch makes a train
+    data iterator of its own, so the one the data setup made never yields a batch."""
+    loop = trainer.fit_loop
+    batches = loop.epoch_loop.batch_progress
+    all_ended = batches.is_last_batch and batches.current.completed == batches.current.ready
+    return bool(loop.restarting and all_ended)
 
 
 def _runs_validation(trainer: pl.Trainer) -> bool:
