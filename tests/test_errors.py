@@ -23,6 +23,7 @@ from safeckpt.errors import (
     NewerFormatError,
     RankAgreementError,
     RootInUseError,
+    RootNotWritableError,
     SaveFailedError,
     UnsafeCheckpointError,
     UnsupportedStateError,
@@ -41,6 +42,7 @@ CLASSES: list[tuple[type[CheckpointError], type[BaseException]]] = [
     (RankAgreementError, Exception),
     (LockTimeoutError, TimeoutError),
     (RootInUseError, Exception),
+    (RootNotWritableError, Exception),
     (ManagerClosedError, RuntimeError),
     (ConfigError, ValueError),
     (NewerFormatError, Exception),
@@ -68,6 +70,8 @@ def make(cls: type[CheckpointError]) -> CheckpointError:
         kwargs.update(offset=4096)
     if cls is RootInUseError:
         kwargs.update(owner={"host": "node7", "pid": 1234})
+    if cls is RootNotWritableError:
+        kwargs.update(errno=30)
     return cls(f"{cls.__name__}: what happened; what to do.", **kwargs)
 
 

@@ -202,10 +202,17 @@ def test_a_hanging_registrar_never_holds_up_saves_and_close_is_bounded(root: Pat
 
 def test_a_prunable_checkpoint_is_skipped_quietly_when_gone(root: Path) -> None:
     registrar = Hanging()
-    mgr = CheckpointManager(root, async_save=False, retention=Retention(keep_last=1), registrar=registrar)
+    mgr = CheckpointManager(
+        root,
+        async_save=False,
+        retention=Retention(keep_last=1),
+        registrar=registrar,
+        registration_timeout=0.5,
+    )
     try:
         mgr.save(1, make_state())
         assert registrar.started.wait(_HANG)  # step 1 is registering
+        time.sleep(0.6)  # past registration_timeout: its registration protects it no longer
         mgr.save(2, make_state())  # prunes step 1 meanwhile
         assert not (root / "step_1").exists()
     finally:
