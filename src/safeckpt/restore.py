@@ -259,7 +259,7 @@ def choose_checkpoint(
         if not pruned:  # nothing was pruned under this scan: there is nothing to load
             break
     for entry in catalog.entries:
-        if not entry.committed and entry.step not in exclude:
+        if not entry.committed and entry.step not in exclude and os.path.lexists(entry.path):
             logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
 
@@ -286,7 +286,9 @@ def _newest_whole(
             skipped.add(entry.step)
             if on_damaged is not None:
                 on_damaged(entry.path, entry.record, e)
-    return None, pruned
+    # A directory listed, then gone before its record was read: pruned during the scan.
+    vanished = any(not e.committed and not os.path.lexists(e.path) for e in catalog.entries)
+    return None, pruned or vanished
 
 
 def _explicit_step(layout: Layout, step: int) -> tuple[Path, Record]:
