@@ -324,8 +324,8 @@ def evict(path: Path) -> None:
 
 def evict_all(path: Path) -> None:
     """:func:`evict`, and what safeckpt keeps parsed in this process (the last ``.metadata`` and
-    checksums, safeckpt.dcp_io): a cold restore then starts as a restarted job's does."""
-    from safeckpt import dcp_io
+    checksums, safeckpt._dcp.io): a cold restore then starts as a restarted job's does."""
+    from safeckpt._dcp import io as dcp_io
 
     evict(path)
     forget = getattr(dcp_io, "forget_parsed", None)

@@ -27,7 +27,7 @@ between the variants, rather than running them back to back (on a virtual
 disk, five cold 1 GiB reads in a row do not see the disk the sixth sees).
 
 Every ``O_DIRECT`` strategy's memory comes from
-:func:`safeckpt.direct_io.aligned_buffer`, as safeckpt's own staging does: the
+:func:`safeckpt._fs.direct_write.aligned_buffer`, as safeckpt's own staging does: the
 kernel builds one request from physically contiguous memory, so from scattered
 4 KiB pages the same strategy issues smaller requests and measures slower
 (1 GiB written from a 4 KiB-page copy took 420 ms in 2.4 MiB requests where
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from bench_common import MIB, evict, interleaved, memcpy, settle, timed
-from safeckpt.direct_io import aligned_buffer, copy_bytes
+from safeckpt._fs.direct_write import aligned_buffer, copy_bytes
 
 ALIGN = 4096  # O_DIRECT needs buffer addresses, offsets and lengths aligned to the logical block size
 _CHUNK = 64 * MIB

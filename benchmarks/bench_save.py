@@ -23,7 +23,7 @@ while a save persists) and ``cleanup`` (retention bookkeeping in ``save()`` with
 10/100/1000 retained checkpoints).
 
 ``safeckpt, SAFECKPT_DCP_IO=torch`` rows run the manager with DCP's own writer
-and reader instead of ``safeckpt.storage`` (same files): what storage.py buys.
+and reader instead of ``safeckpt._storage.writer`` (same files): what storage.py buys.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from bench_common import (
 from bench_limits import MemcpyLimit, ReadLimit, Scratch, WriteLimit, combined, slots, strategy_of
 from bench_peers import AsyncRunner, DcpAsync, LightningAsync, lightning_available
 from safeckpt import CheckpointManager, Retention
-from safeckpt.atomic import swap_pointer
-from safeckpt.fileops import DEFAULT_FILE_OPS
+from safeckpt._fs.atomic import swap_pointer
+from safeckpt._fs.fileops import DEFAULT_FILE_OPS
 
 SECTIONS = ("async", "sync", "restore", "inflation", "cleanup")
 SAFECKPT = "safeckpt"

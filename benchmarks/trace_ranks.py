@@ -9,7 +9,7 @@ wrapping the functions that run it: the planner's steps, the collectives of
 DCP's ``_DistWrapper`` (``reduce_scatter`` is the whole planning: local plan,
 gather, global plan, scatter; ``all_reduce`` is the data write, the gather of
 its results and ``.metadata``) and safeckpt's writer. The first save plans in
-full; later ones reuse the cached plans (``safeckpt.save_plans``). The planner
+full; later ones reuse the cached plans (``safeckpt._dcp.plans``). The planner
 steps timed are ``DefaultSavePlanner``'s: safeckpt's subclass flattens the
 state before calling its ``set_up_planner``, which then shows almost nothing.
 """

@@ -40,23 +40,23 @@ from bench_state import GIB, variants
 from safeckpt import CheckpointManager, Retention
 
 # (module, owner or None for a module function, function, label): outer steps first. The reader
-# is named through safeckpt.storage, which re-exports it: checkouts from before raw_reader.py work.
+# is named through safeckpt._storage.writer, which re-exports it: checkouts from before raw_reader.py work.
 PHASES = [
-    ("safeckpt.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
-    ("safeckpt.restore", None, "read_tree", "reading the training state (tree)"),
-    ("safeckpt.loading", "LoadPlan", "mapping", "matching the tree and the state"),
-    ("safeckpt.dcp_io", None, "load_flat", "loading the tensors, in all"),
-    ("safeckpt.dcp_io", None, "_whole_tensor_plan", "  the whole-tensor plan (read items)"),
-    ("safeckpt.dcp_io", None, "load", "  dcp.load, in all (a plan DCP makes)"),
-    ("safeckpt.dcp_io", "SafeLoadPlanner", "set_up_planner", "    DCP: flattening the state"),
-    ("safeckpt.dcp_io", "SafeLoadPlanner", "create_local_plan", "    DCP: the local plan (read items)"),
-    ("safeckpt.storage", "RawFileSystemReader", "read_data", "  read_data, in all"),
-    ("safeckpt.storage", "RawFileSystemReader", "_plan_run", "    planning runs"),
-    ("safeckpt.storage", "RawFileSystemReader", "_plan_batch", "    planning batches"),
-    ("safeckpt.read_batch", "ReadAhead", "next", "    waiting for the disk"),
-    ("safeckpt.storage", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
-    ("safeckpt.storage", "RawFileSystemReader", "_finish_batch", "    checking and committing batches"),
-    ("safeckpt.loading", "LoadPlan", "apply", "putting values in place"),
+    ("safeckpt._manager.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
+    ("safeckpt._restore.choose", None, "read_tree", "reading the training state (tree)"),
+    ("safeckpt._restore.load_plan", "LoadPlan", "mapping", "matching the tree and the state"),
+    ("safeckpt._dcp.io", None, "load_flat", "loading the tensors, in all"),
+    ("safeckpt._dcp.io", None, "_whole_tensor_plan", "  the whole-tensor plan (read items)"),
+    ("safeckpt._dcp.io", None, "load", "  dcp.load, in all (a plan DCP makes)"),
+    ("safeckpt._dcp.io", "SafeLoadPlanner", "set_up_planner", "    DCP: flattening the state"),
+    ("safeckpt._dcp.io", "SafeLoadPlanner", "create_local_plan", "    DCP: the local plan (read items)"),
+    ("safeckpt._storage.writer", "RawFileSystemReader", "read_data", "  read_data, in all"),
+    ("safeckpt._storage.writer", "RawFileSystemReader", "_plan_run", "    planning runs"),
+    ("safeckpt._storage.writer", "RawFileSystemReader", "_plan_batch", "    planning batches"),
+    ("safeckpt._storage.batching", "ReadAhead", "next", "    waiting for the disk"),
+    ("safeckpt._storage.writer", "RawFileSystemReader", "_finish_run", "    checking and copying runs"),
+    ("safeckpt._storage.writer", "RawFileSystemReader", "_finish_batch", "    checking, committing batches"),
+    ("safeckpt._restore.load_plan", "LoadPlan", "apply", "putting values in place"),
 ]
 
 
@@ -73,7 +73,7 @@ def time_phases() -> dict[str, float]:
             continue  # a checkout from before this step existed
         timed = wrap(owner, name, label, spent)
         if owner_name is None:  # imported by name elsewhere: wrap it there too
-            for other in ("safeckpt.restore", "safeckpt.manager"):
+            for other in ("safeckpt._restore.choose", "safeckpt._manager.manager"):
                 user = importlib.import_module(other)
                 if getattr(user, name, None) is original:
                     setattr(user, name, timed)

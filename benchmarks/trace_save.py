@@ -41,13 +41,13 @@ WARM_UP = 5
 
 # (module, owner, function, label): outer steps first.
 PHASES = [
-    ("safeckpt.dcp_io", None, "save", "dcp.save, in all"),
-    ("safeckpt.save_plans", "_SafeSavePlanner", "set_up_planner", "  flattening the state"),
-    ("safeckpt.save_plans", "_SafeSavePlanner", "create_local_plan", "  the local plan"),
-    ("safeckpt.storage", "RawFileSystemWriter", "_write_file", "  writing the data file (and its fsync)"),
-    ("safeckpt.storage", None, "_write_item", "    the archives (Python per tensor)"),
+    ("safeckpt._dcp.io", None, "save", "dcp.save, in all"),
+    ("safeckpt._dcp.plans", "_SafeSavePlanner", "set_up_planner", "  flattening the state"),
+    ("safeckpt._dcp.plans", "_SafeSavePlanner", "create_local_plan", "  the local plan"),
+    ("safeckpt._storage.writer", "RawFileSystemWriter", "_write_file", "  writing the data file, fsync"),
+    ("safeckpt._storage.writer", None, "_write_item", "    the archives (Python per tensor)"),
     ("torch.distributed.checkpoint.filesystem", "_FileSystemWriter", "finish", "  .metadata (pickle, fsync)"),
-    ("safeckpt.commit", "CommitPath", "_commit", "the commit (record, rename, fsyncs)"),
+    ("safeckpt._manager.committer", "CommitPath", "_commit", "the commit (record, rename, fsyncs)"),
 ]
 
 

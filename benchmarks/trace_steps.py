@@ -8,7 +8,7 @@ thread) alone, then beside each background write: a safeckpt async save of the
 model and AdamW state until ``wait()`` returns; the same bytes written by one
 thread that copies each 16 MiB into an aligned buffer and then writes it with
 ``O_DIRECT`` (copy and disk never overlap); the same through
-``safeckpt.direct_io.DirectFileWriter`` (a second thread writes one buffer
+``safeckpt._fs.direct_write.DirectFileWriter`` (a second thread writes one buffer
 while the next one fills, as a save does); and ``bench_common.raw_write`` (buffered
 64 MiB writes and an fsync: ``bench_save``'s floor). For each it prints the step-time
 inflation, the steps that took more than 3x the idle median, what the
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import GIB, build_state, raw_write, steal_seconds
 from safeckpt import CheckpointManager, Retention
-from safeckpt.direct_io import BUFFER_BYTES, DirectFileWriter, copy_bytes, give_back, take_buffer
+from safeckpt._fs.direct_write import BUFFER_BYTES, DirectFileWriter, copy_bytes, give_back, take_buffer
 
 _MATMUL = 512
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from safeckpt import CheckpointManager, Retention
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 
 
 class KillAtOps(FileOps):

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from safeckpt import CheckpointManager, Retention, distributed
+from safeckpt import CheckpointManager, Retention
+from safeckpt._dist import participants as distributed
+from safeckpt._fs.fileops import FileOps
 from safeckpt.errors import CheckpointError
-from safeckpt.fileops import FileOps
 
 
 class RankFaults(FileOps):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from safeckpt import CheckpointManager, Retention
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 
 
 class SlowTrainStateOps(FileOps):

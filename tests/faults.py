@@ -1,4 +1,4 @@
-"""Fault injection through the :class:`~safeckpt.fileops.FileOps` seam.
+"""Fault injection through the :class:`~safeckpt._fs.fileops.FileOps` seam.
 
 Import these from any test; they patch nothing process-wide::
 
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from safeckpt.fileops import FileOps
-from safeckpt.layout import LOCK_NAME
-from safeckpt.lock import SidecarLock
+from safeckpt._format.layout import LOCK_NAME
+from safeckpt._fs.fileops import FileOps
+from safeckpt._fs.lock import SidecarLock
 
 OPERATIONS = ("write_file", "fsync_dir", "replace", "exchange", "symlink", "rmtree", "sleep")
 MUTATIONS = ("write_file", "replace", "exchange", "symlink", "rmtree")

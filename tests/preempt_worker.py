@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from safeckpt import CheckpointManager, SaveSchedule
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 
 SAVE_EVERY = 50
 STEP_SECONDS = 0.01

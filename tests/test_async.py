@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from safeckpt import CheckpointManager, Retention, SaveFailedError, read_record
-from safeckpt.fileops import FileOps
-from safeckpt.maintenance import verify
+from safeckpt._fs.fileops import FileOps
+from safeckpt._ops.maintenance import verify
 from toy import make_state, same_weights, train_step, weights
 
 Match = Callable[[Path], bool]
@@ -392,7 +392,7 @@ def test_exit_without_close_still_commits_queued_saves(root: Path) -> None:
 import torch, time
 from pathlib import Path
 from safeckpt import CheckpointManager
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 
 class Slow(FileOps):
     def write_file(self, path, data):

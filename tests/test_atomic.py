@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from faults import FaultyFileOps
-from safeckpt.atomic import atomic_write, read_pointer, replace_dir, swap_pointer
-from safeckpt.fileops import FileOps
+from safeckpt._fs.atomic import atomic_write, read_pointer, replace_dir, swap_pointer
+from safeckpt._fs.fileops import FileOps
 
 
 @pytest.fixture

@@ -23,12 +23,12 @@ from rich.table import Table
 from torch import nn
 
 from safeckpt import CheckpointManager, Retention, read_record
-from safeckpt.atomic import swap_pointer
+from safeckpt._format.record import amend_record
+from safeckpt._fs.atomic import swap_pointer
+from safeckpt._fs.fileops import DEFAULT_FILE_OPS
+from safeckpt._fs.lock import SidecarLock
 from safeckpt.cli import main
 from safeckpt.cli.common import print_table
-from safeckpt.fileops import DEFAULT_FILE_OPS
-from safeckpt.lock import SidecarLock
-from safeckpt.record import amend_record
 
 LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 

@@ -27,7 +27,7 @@ import os, signal, sys, time
 from pathlib import Path
 import torch
 from safeckpt import CheckpointManager
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 
 root, marker, release, how = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
 

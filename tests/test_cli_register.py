@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from safeckpt import CheckpointManager, read_record
+from safeckpt._registration.registrar import JsonlIndexRegistrar
 from safeckpt.cli import main
-from safeckpt.registry import JsonlIndexRegistrar
 
 
 def run_cli(*args: Any) -> subprocess.CompletedProcess[str]:

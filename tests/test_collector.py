@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import CheckpointManager, dcp_io, resume
-from safeckpt.collector import collector_paused
+from safeckpt import CheckpointManager
+from safeckpt._dcp import io as dcp_io
+from safeckpt._manager import resumer as resume
+from safeckpt._util.gc_pause import collector_paused
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +85,7 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     state = {"layers": {i: torch.randn(16) for i in range(50)}}
-    captured = _spy(monkeypatch, safeckpt.manager, "capture")
+    captured = _spy(monkeypatch, safeckpt._manager.manager, "capture")
     saved = _spy(monkeypatch, dcp_io, "save")
     loaded = _spy(monkeypatch, dcp_io, "load_flat")
     checked = _spy(monkeypatch, resume, "check_own_files")  # before the load: the record's parse

@@ -19,7 +19,7 @@ import torch
 import crash_worker
 from forkserver import context
 from safeckpt import CheckpointManager
-from safeckpt.maintenance import verify
+from safeckpt._ops.maintenance import verify
 
 STEPS = 5
 SMALL = 1_000

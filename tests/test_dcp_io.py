@@ -22,13 +22,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from safeckpt import CheckpointManager, dcp_io
-from safeckpt.dcp_io import METADATA_NAME, SafeFileSystemReader, SafeLoadPlanner, load, read_metadata, save
+from safeckpt import CheckpointManager
+from safeckpt._dcp import io as dcp_io
+from safeckpt._dcp.io import METADATA_NAME, SafeFileSystemReader, SafeLoadPlanner, load, read_metadata, save
+from safeckpt._format.checksums import FileChecksum
+from safeckpt._format.record import list_files, read_record, write_record
+from safeckpt._fs.fileops import FileOps
+from safeckpt._fs.lock import SidecarLock
 from safeckpt.errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
-from safeckpt.fileops import FileOps
-from safeckpt.integrity import FileChecksum
-from safeckpt.lock import SidecarLock
-from safeckpt.record import list_files, read_record, write_record
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -450,7 +451,7 @@ def test_a_metadata_the_whole_tensor_plan_cannot_read_fails_as_dcp_load_does(roo
 def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from safeckpt.dcp_nesting import flatten_nested, nest_for_dcp
+    from safeckpt._dcp.nesting import flatten_nested, nest_for_dcp
 
     flat = {
         "step": torch.tensor(3),
@@ -483,7 +484,7 @@ def test_the_flattening_of_a_nested_state_is_dcps() -> None:
     ids=["meta", "int-key", "int-top-key", "list", "empty", "non-tensor", "duplicate", "deeper"],
 )
 def test_any_other_shape_is_flattened_by_dcp(nested: dict[Any, Any]) -> None:
-    from safeckpt.dcp_nesting import flatten_nested
+    from safeckpt._dcp.nesting import flatten_nested
 
     assert flatten_nested(nested) is None
 

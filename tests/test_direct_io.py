@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from safeckpt import direct_io
-from safeckpt.direct_io import DirectFileWriter, direct_io_enabled
+from safeckpt._fs import direct_write as direct_io
+from safeckpt._fs.direct_write import DirectFileWriter, direct_io_enabled
 
 _BUFFER = direct_io._BUFFER
 

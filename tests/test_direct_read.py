@@ -18,10 +18,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
-from safeckpt import CheckpointManager, Retention, direct_read, early_read, raw_reader
-from safeckpt.direct_read import ALIGN, DirectFileReader
+from safeckpt import CheckpointManager, Retention
+from safeckpt._fs import direct_read as direct_read
+from safeckpt._fs.direct_read import ALIGN, DirectFileReader
+from safeckpt._storage import prefetch as early_read
+from safeckpt._storage import reader as raw_reader
+from safeckpt._storage.batching import ReadAhead, windows
 from safeckpt.errors import CorruptCheckpointError
-from safeckpt.read_batch import ReadAhead, windows
 
 MIB = 1 << 20
 
@@ -255,7 +258,7 @@ def test_a_restore_refused_o_direct_at_its_first_read_is_read_buffered(
         raise OSError(errno.EINVAL, "refused")
 
     monkeypatch.setattr(DirectFileReader, "_read_into", read_into)
-    # The filesystem refuses every O_DIRECT read, the early ones too (safeckpt.early_read).
+    # The filesystem refuses every O_DIRECT read, the early ones too (safeckpt._storage.prefetch).
     monkeypatch.setattr(early_read, "read_aligned", lambda fd, view, offset: read_into(None, view, offset))  # type: ignore[arg-type]
     alone: list[int] = []  # archives read again one by one (the slow path a batch with no bytes falls to)
     real = raw_reader.RawFileSystemReader._read_archive

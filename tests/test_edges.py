@@ -37,11 +37,11 @@ from safeckpt import (
     RootNotWritableError,
     read_record,
 )
-from safeckpt.catalog import damaged_note, scan
+from safeckpt._format.catalog import damaged_note, scan
+from safeckpt._fs.lock import SidecarLock
 from safeckpt.cli import main
 from safeckpt.errors import LockTimeoutError
 from safeckpt.export import export_weights
-from safeckpt.lock import SidecarLock
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from safeckpt import CheckpointManager, dcp_io
+from safeckpt import CheckpointManager
+from safeckpt._dcp import io as dcp_io
+from safeckpt._ops.inspection import inspect_checkpoint
 from safeckpt.cli import main
 from safeckpt.export import INDEX_NAME, export_weights
-from safeckpt.inspection import inspect_checkpoint
 
 
 def run_cli(*args: Any) -> subprocess.CompletedProcess[str]:

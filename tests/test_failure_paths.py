@@ -37,10 +37,10 @@ from safeckpt import (
     load,
     read_record,
 )
+from safeckpt._fs.fileops import FileOps
+from safeckpt._ops.maintenance import verify
+from safeckpt._root.ownership import Owner, _process_start, read_owner
 from safeckpt.errors import RootInUseError
-from safeckpt.fileops import FileOps
-from safeckpt.maintenance import verify
-from safeckpt.ownership import Owner, _process_start, read_owner
 
 # --- helpers -------------------------------------------------------------------------------------
 
@@ -668,8 +668,8 @@ def test_close_leaves_the_groups_to_the_exit_hook_while_the_writer_thread_still_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second Ctrl-C can end close()'s join with the writer still inside DCP on its group."""
-    from safeckpt.distributed import Participants
-    from safeckpt.writer import BackgroundWriter
+    from safeckpt._dist.participants import Participants
+    from safeckpt._manager.background import BackgroundWriter
 
     released: list[bool] = []
     monkeypatch.setattr(Participants, "release", lambda self: released.append(True))

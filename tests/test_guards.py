@@ -42,7 +42,7 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
-from safeckpt.dcp_io import forget_parsed, load, read_metadata, save
+from safeckpt._dcp.io import forget_parsed, load, read_metadata, save
 
 
 def filled(step: int) -> dict[str, Any]:

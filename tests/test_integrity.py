@@ -30,11 +30,11 @@ from safeckpt import (
     dcp_io,
     read_record,
 )
-from safeckpt.atomic import read_pointer
-from safeckpt.catalog import scan
-from safeckpt.integrity import FileChecksum, combine, crc32
-from safeckpt.maintenance import prune, verify
-from safeckpt.retention import Retention
+from safeckpt._format.catalog import scan
+from safeckpt._format.checksums import FileChecksum, combine, crc32
+from safeckpt._fs.atomic import read_pointer
+from safeckpt._ops.maintenance import prune, verify
+from safeckpt._policy.retention import Retention
 from toy import make_state, same_weights, train_step, weights
 
 pytestmark = pytest.mark.timeout(120)  # a FIFO that hangs a read must fail, not stall the run
@@ -467,9 +467,9 @@ def _rewrite_train_state(step_dir: Path, change: Any) -> None:
     path = step_dir / "train_state.rank0.safetensors"
     blob = path.read_bytes()
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    document = json.loads(header["__metadata__"]["safeckpt.train_state"])
+    document = json.loads(header["__metadata__"]["safeckpt._state.train_state"])
     change(document)
-    data = st_save(st_load(blob), metadata={"safeckpt.train_state": json.dumps(document)})
+    data = st_save(st_load(blob), metadata={"safeckpt._state.train_state": json.dumps(document)})
     path.write_bytes(data)
     record = json.loads((step_dir / "metadata.json").read_text())
     record["files"][path.name] = len(data)
@@ -529,7 +529,7 @@ def test_a_newer_train_state_format_is_refused_by_name_and_never_skipped(root: P
 def test_a_small_file_read_that_meets_a_replacement_elsewhere_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: int
 ) -> None:
-    from safeckpt import integrity
+    from safeckpt._format import checksums as integrity
 
     path = tmp_path / "metadata.json"
     path.write_bytes(b"{}")
@@ -552,7 +552,7 @@ def test_a_small_file_read_that_meets_a_replacement_elsewhere_is_read_again(
 
 
 def test_segments_are_found_alone_and_as_runs_of_one_length() -> None:
-    from safeckpt.integrity import Segment
+    from safeckpt._format.checksums import Segment
 
     checksum = FileChecksum(
         (Segment(0, 10, 1), Segment(10, 5, 2), Segment(15, 5, 3), Segment(20, 5, 4), Segment(25, 7, 5))

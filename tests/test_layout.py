@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from safeckpt.layout import (
+from safeckpt._format.layout import (
     ABANDONED,
     PRUNED,
     REPLACED,

@@ -46,7 +46,7 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 from safeckpt.lightning import ManagedCheckpoint, SafeCheckpointIO, StorageOptionsError
 from safeckpt.testing import FileHolder, Linger
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from safeckpt._fs.lock import SidecarLock
 from safeckpt.errors import CheckpointError, LockTimeoutError
-from safeckpt.lock import SidecarLock
 
 # A second process that takes the flock of a root and holds it until told to let go.
 HOLDER = """

@@ -25,8 +25,8 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
-from safeckpt.atomic import read_pointer
-from safeckpt.fileops import FileOps
+from safeckpt._fs.atomic import read_pointer
+from safeckpt._fs.fileops import FileOps
 from toy import make_state, same_weights, train_step, weights
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
@@ -348,7 +348,7 @@ def test_pinned_checkpoint_survives_retention(root: Path) -> None:
 
 def test_pin_set_by_another_process_is_respected(root: Path) -> None:
     """`safeckpt pin` amends the record on disk; the training job re-reads it before pruning."""
-    from safeckpt.maintenance import set_pinned
+    from safeckpt._ops.maintenance import set_pinned
 
     state = make_state()
     with CheckpointManager(root, async_save=False, retention=Retention(keep_last=1)) as mgr:
@@ -359,7 +359,7 @@ def test_pin_set_by_another_process_is_respected(root: Path) -> None:
 
 
 def test_unpin_by_another_process_is_respected(root: Path) -> None:
-    from safeckpt.maintenance import set_pinned
+    from safeckpt._ops.maintenance import set_pinned
 
     state = make_state()
     with CheckpointManager(root, async_save=False, retention=Retention(keep_last=1)) as mgr:

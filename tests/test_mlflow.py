@@ -17,8 +17,16 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import CheckpointError, CheckpointManager, ConfigError, Record, Retention, read_record
-from safeckpt.registration import CommitInfo, register_pending
+from safeckpt import (
+    CheckpointError,
+    CheckpointManager,
+    CommitInfo,
+    ConfigError,
+    Record,
+    Retention,
+    read_record,
+    register_pending,
+)
 from toy import make_state, same_weights, train_step, weights
 
 mlflow = pytest.importorskip("mlflow")

@@ -13,8 +13,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt import CheckpointManager, per_rank
+from safeckpt._ops.inspection import train_state_summary
 from safeckpt.errors import UnsupportedStateError
-from safeckpt.inspection import train_state_summary
 from test_state import SYNC_ASYNC
 
 
@@ -130,7 +130,7 @@ def test_what_per_rank_cannot_hold_is_refused_before_anything_is_written(root: P
 
 
 def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> None:
-    from safeckpt.replicas import SMALL_BYTES, diverging, fingerprints
+    from safeckpt._state.replicas import SMALL_BYTES, diverging, fingerprints
 
     same, other = torch.arange(4), torch.arange(4) + 1
     big = torch.randn(256, SMALL_BYTES // 4)  # past the size fingerprinted whole: sampled
@@ -146,7 +146,7 @@ def test_only_keys_several_ranks_hold_with_different_bytes_are_diverging() -> No
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a sync save's live GPU tensors")
 def test_cuda_tensors_are_fingerprinted_as_their_host_copies() -> None:
-    from safeckpt.replicas import SMALL_BYTES, fingerprints
+    from safeckpt._state.replicas import SMALL_BYTES, fingerprints
 
     host = {"small": torch.arange(4.0), "big": torch.randn(256, SMALL_BYTES // 4)}
     on_gpu = {k: v.cuda() for k, v in host.items()}
@@ -156,7 +156,7 @@ def test_cuda_tensors_are_fingerprinted_as_their_host_copies() -> None:
 def test_a_rank_with_many_tensors_checks_a_share_per_save_and_every_key_within_a_few(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from safeckpt import replicas
+    from safeckpt._state import replicas as replicas
 
     monkeypatch.setattr(replicas, "MOST", 8)
     model = {f"layer{i}": torch.full((3,), float(i)) for i in range(40)}  # before the loader's state

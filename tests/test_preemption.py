@@ -18,8 +18,8 @@ import pytest
 import preempt_worker
 from forkserver import context
 from safeckpt import CheckpointManager, ConfigError, SaveSchedule, read_record
-from safeckpt.maintenance import verify
-from safeckpt.preemption import PreemptionHandlers
+from safeckpt._manager.preemption import PreemptionHandlers
+from safeckpt._ops.maintenance import verify
 
 LONG_RUN = 3000  # steps: far more than a test waits for, so the signal always lands mid-run
 

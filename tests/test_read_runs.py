@@ -1,4 +1,4 @@
-"""Runs of small archives (safeckpt.read_runs): many small tensors read as one buffer per run,
+"""Runs of small archives (safeckpt._storage.runs): many small tensors read as one buffer per run,
 checked archive by archive, and never a reason to load a changed byte or to skip a tensor."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt import CheckpointManager, CorruptCheckpointError, read_runs
-from safeckpt.archive import expected_shape
-from safeckpt.integrity import combine
-from safeckpt.retention import Retention
-from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
+import safeckpt._dcp.io  # noqa: F401  (filters DCP's single-process warning)
+from safeckpt import CheckpointManager, CorruptCheckpointError
+from safeckpt._format.checksums import combine
+from safeckpt._policy.retention import Retention
+from safeckpt._storage import runs as read_runs
+from safeckpt._storage.torchsave.writer import expected_shape
+from safeckpt._storage.writer import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
 pytestmark = pytest.mark.skipif(
     not raw_path_available(), reason="this torch lacks the helpers; DCP's path runs"
@@ -180,7 +181,7 @@ def test_archives_of_one_length_but_two_layouts_in_one_run_all_load_right(
     """float32 and int32 tensors of 8 values have archives of the same length. Guessed by length
     alone (no guess from the metadata), a run holds both; the rows of the other layout are read
     again on their own, and every tensor loads as saved (the ints converted, not their bits)."""
-    from safeckpt import archive_shapes
+    from safeckpt._storage.torchsave import shapes as archive_shapes
 
     state = {
         f"{kind}{i}": torch.arange(8, dtype=dtype) + i
@@ -317,7 +318,7 @@ def test_archives_of_one_length_but_two_dtypes_are_not_mixed_in_a_run(
 ) -> None:
     """With DCP's metadata the reader knows each archive's dtype: float32 and int32 tensors of 37
     values (archives of one length) alternate, and no archive is guessed wrong and read again."""
-    from safeckpt import raw_reader
+    from safeckpt._storage import reader as raw_reader
 
     state = {
         f"{kind}{i}": torch.arange(37, dtype=dtype) + i
@@ -345,7 +346,7 @@ def test_targets_a_run_cannot_take_are_found_without_scanning_the_run_again_and_
     """Where the targets cannot take a run (CUDA tensors, conjugate views), every archive of the
     batches is asked whether a run starts there: each asking looks at a few archives, not at the
     whole run after it (which made a restore of n such tensors cost n * n / 2 checks)."""
-    from safeckpt import archive_shapes
+    from safeckpt._storage.torchsave import shapes as archive_shapes
 
     n = 600
     saved = {f"c{i}": torch.randn(3, dtype=torch.complex64) for i in range(n)}
@@ -372,7 +373,7 @@ def test_small_archives_between_large_ones_are_guessed_once(
     """A bias after each weight (a model's usual order): no run can start at a small archive whose
     neighbours are large, and the reader sees that from the offsets, without guessing the
     neighbours' shapes (it guessed every archive about twice)."""
-    from safeckpt import archive_shapes
+    from safeckpt._storage.torchsave import shapes as archive_shapes
 
     saved: dict[str, torch.Tensor] = {}
     for i in range(100):

@@ -17,12 +17,8 @@ import torch
 
 from faults import FaultyFileOps, LockRecordingFileOps
 from safeckpt import CheckpointManager
-from safeckpt.cli import main
-from safeckpt.errors import IncompleteCheckpointError, InvalidSaveError
-from safeckpt.layout import RECORD_NAME
-from safeckpt.lock import SidecarLock
-from safeckpt.maintenance import verify
-from safeckpt.record import (
+from safeckpt._format.layout import RECORD_NAME
+from safeckpt._format.record import (
     COMMITTED,
     Record,
     amend_record,
@@ -34,6 +30,10 @@ from safeckpt.record import (
     read_record,
     write_record,
 )
+from safeckpt._fs.lock import SidecarLock
+from safeckpt._ops.maintenance import verify
+from safeckpt.cli import main
+from safeckpt.errors import IncompleteCheckpointError, InvalidSaveError
 
 
 @pytest.fixture

@@ -15,12 +15,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from safeckpt import CheckpointManager, ConfigError, JsonlIndexRegistrar, Record, Retention, read_record
-from safeckpt.registration import (
-    CommitInfo,
-    RegistrationWorker,
-    register_pending,
-    registrar_from_json,
-)
+from safeckpt._registration.pending import register_pending, registrar_from_json
+from safeckpt._registration.worker import CommitInfo, RegistrationWorker
 from toy import make_state
 
 # Generous upper bound for anything that must not hang; never a speed assertion.
@@ -285,8 +281,8 @@ def test_registration_timeout_must_be_a_positive_number(root: Path, value: Any) 
 
 
 def test_worker_close_without_work_returns_and_closes_the_registrar(root: Path) -> None:
-    from safeckpt.fileops import DEFAULT_FILE_OPS
-    from safeckpt.lock import SidecarLock
+    from safeckpt._fs.fileops import DEFAULT_FILE_OPS
+    from safeckpt._fs.lock import SidecarLock
 
     root.mkdir()
     registrar = Recording()

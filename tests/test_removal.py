@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from faults import FaultyFileOps
-from safeckpt.layout import ABANDONED, PRUNED, REPLACED, Layout, parse_trash_name
-from safeckpt.lock import SidecarLock
-from safeckpt.removal import (
+from safeckpt._format.layout import ABANDONED, PRUNED, REPLACED, Layout, parse_trash_name
+from safeckpt._fs.lock import SidecarLock
+from safeckpt._root.removal import (
     RETRY_WAITS,
     Deleter,
     RetryBudget,

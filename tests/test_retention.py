@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safeckpt.errors import CheckpointError, ConfigError
-from safeckpt.retention import (
+from safeckpt._policy.retention import (
     CheckpointInfo,
     KeepAll,
     KeepAny,
@@ -24,6 +23,7 @@ from safeckpt.retention import (
     explain,
     plan_removals,
 )
+from safeckpt.errors import CheckpointError, ConfigError
 
 NAN = float("nan")
 

@@ -11,11 +11,12 @@ from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 import safeckpt
-from safeckpt import CheckpointManager, Retention, save_plans
-from safeckpt.dcp_io import read_metadata
+from safeckpt import CheckpointManager, Retention
+from safeckpt._dcp import plans as save_plans
+from safeckpt._dcp.io import read_metadata
+from safeckpt._dcp.plans import _CACHES
+from safeckpt._storage.writer import RawFileSystemWriter
 from safeckpt.errors import SaveFailedError
-from safeckpt.save_plans import _CACHES
-from safeckpt.storage import RawFileSystemWriter
 
 # Every test but the last needs DCP's plan caches (torch 2.13 has them; an older torch may not).
 needs_caching = pytest.mark.skipif(not save_plans.CACHING, reason="this torch has no DCP plan caching")

@@ -21,7 +21,7 @@ from safeckpt import (
     SaveSchedule,
     read_record,
 )
-from safeckpt.retention import explain, retention_json
+from safeckpt._policy.retention import explain, retention_json
 from toy import make_state, train_step
 
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from faults import MUTATIONS, Call, LockRecordingFileOps
 from safeckpt import CheckpointManager, Retention, SaveFailedError
-from safeckpt.layout import LATEST_NAME, RECORD_NAME, STAGING_NAME, TRASH_NAME, parse_step_dirname
-from safeckpt.record import Record
+from safeckpt._format.layout import LATEST_NAME, RECORD_NAME, STAGING_NAME, TRASH_NAME, parse_step_dirname
+from safeckpt._format.record import Record
 
 
 class Registrar:

@@ -19,16 +19,16 @@ from torch import nn
 
 import safeckpt
 from safeckpt import CheckpointManager
-from safeckpt.errors import IncompleteCheckpointError, UnsupportedStateError
-from safeckpt.fileops import FileOps
-from safeckpt.state import StateCache, capture
-from safeckpt.train_state import (
+from safeckpt._fs.fileops import FileOps
+from safeckpt._state.train_state import (
     capture_rng,
     decode_train_state,
     encode_train_state,
     encode_values,
     restore_rng,
 )
+from safeckpt._state.walk import StateCache, capture
+from safeckpt.errors import IncompleteCheckpointError, UnsupportedStateError
 
 SYNC_ASYNC = pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 
@@ -66,7 +66,7 @@ def saved_and_loaded(root: Path, state: dict[Any, Any], *, async_save: bool) -> 
 
 
 def dcp_keys(checkpoint: Path) -> set[str]:
-    from safeckpt.dcp_io import read_metadata
+    from safeckpt._dcp.io import read_metadata
 
     return set(read_metadata(checkpoint).state_dict_metadata)
 
@@ -358,7 +358,7 @@ def test_an_async_save_snapshots_nested_tensors_and_values_at_save_time(root: Pa
 def _document(path: Path) -> dict[str, Any]:
     blob = path.read_bytes()
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    return json.loads(header["__metadata__"]["safeckpt.train_state"])
+    return json.loads(header["__metadata__"]["safeckpt._state.train_state"])
 
 
 def test_the_file_records_the_structure_and_json_values_only(root: Path) -> None:
@@ -374,7 +374,7 @@ def test_the_file_records_the_structure_and_json_values_only(root: Path) -> None
 def _blob(document: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
-    return save({"t0": torch.ones(1)}, metadata={"safeckpt.train_state": json.dumps(document)})
+    return save({"t0": torch.ones(1)}, metadata={"safeckpt._state.train_state": json.dumps(document)})
 
 
 DAMAGED = [

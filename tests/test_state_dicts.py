@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from safeckpt.state_dicts import StateDicts, _model_renames
+from safeckpt._state.state_dicts import StateDicts, _model_renames
 
 
 class Tied(nn.Module):
@@ -145,7 +145,7 @@ def test_a_model_with_fsdp1_modules_goes_to_the_helper_without_a_state_dict_of_i
     """FSDP1's state_dict() outside the helper's context gathers the whole model: never called here."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    import safeckpt.state_dicts as state_dicts
+    import safeckpt._state.state_dicts as state_dicts
 
     model = Tied()
     wrapper = FullyShardedDataParallel.__new__(FullyShardedDataParallel)

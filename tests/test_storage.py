@@ -18,10 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-import safeckpt.dcp_io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt import archive, archive_read, archive_shapes, early_read, storage
-from safeckpt.dcp_io import SafeFileSystemReader, SafeLoadPlanner
-from safeckpt.storage import RawFileSystemReader, RawFileSystemWriter, raw_path_available
+import safeckpt._dcp.io  # noqa: F401  (filters DCP's single-process warning)
+from safeckpt._dcp.io import SafeFileSystemReader, SafeLoadPlanner
+from safeckpt._storage import prefetch as early_read
+from safeckpt._storage import writer as storage
+from safeckpt._storage.torchsave import reader as archive_read
+from safeckpt._storage.torchsave import shapes as archive_shapes
+from safeckpt._storage.torchsave import writer as archive
+from safeckpt._storage.writer import RawFileSystemReader, RawFileSystemWriter, raw_path_available
 
 pytestmark = pytest.mark.skipif(
     not raw_path_available(), reason="this torch lacks the helpers; DCP's path runs"
@@ -303,7 +307,7 @@ def test_the_dcp_io_switch_reads_what_the_other_path_wrote(
     from safeckpt import CheckpointManager
 
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("SAFECKPT_DCP_IO=torch must not use safeckpt.storage")
+        raise AssertionError("SAFECKPT_DCP_IO=torch must not use safeckpt._storage.writer")
 
     state = {"w": torch.arange(1000.0), "m": torch.nn.Linear(8, 4)}
     if write_io == "torch":
@@ -386,7 +390,7 @@ def test_an_archive_from_a_template_is_the_archive_written_in_full(
     tensor: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After the first archive of a layout, the rest are written from its template: same bytes."""
-    from safeckpt.zipformat import _ChecksummedStream
+    from safeckpt._storage.torchsave.zipformat import _ChecksummedStream
 
     def written(serial: int) -> bytes:
         monkeypatch.setattr(archive.secrets, "randbits", lambda _bits: serial)
@@ -411,7 +415,8 @@ def test_an_archive_from_a_template_is_the_archive_written_in_full(
 def wrong(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """For every batched archive checked (alone or in a run), whether its layout guess was wrong
     (it is then read again)."""
-    from safeckpt import read_batch, read_runs
+    from safeckpt._storage import batching as read_batch
+    from safeckpt._storage import runs as read_runs
 
     checked: list[bool] = []
     real = read_batch.Planned.as_guessed

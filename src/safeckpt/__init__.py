@@ -8,6 +8,31 @@ with CheckpointManager("runs/exp1/ckpt", retention=Retention(keep_last=3)) as mg
     mgr.save(step, state, metrics={"val_loss": v})
 """
 
+from ._format.record import Record, read_record
+from ._fs.fileops import FileOps
+from ._manager.manager import CheckpointManager
+from ._manager.saves import CheckpointStatus
+from ._policy.retention import (
+    CheckpointInfo,
+    KeepAll,
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    KeepMilestones,
+    KeepPinned,
+    KeepTimeInterval,
+    Policy,
+    Retention,
+)
+from ._policy.schedule import Milestones, SaveSchedule
+from ._registration.pending import register_pending
+from ._registration.registrar import JsonlIndexRegistrar, Registrar
+from ._registration.worker import CommitInfo
+from ._restore.load import load
+from ._restore.restored import Restored
+from ._root.ownership import Owner, read_owner
+from ._state.per_rank import PerRank, per_rank
 from ._version import __version__
 from .errors import (
     CheckpointError,
@@ -26,31 +51,6 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedStateError,
 )
-from .fileops import FileOps
-from .loading import load
-from .manager import CheckpointManager
-from .ownership import Owner, read_owner
-from .pending_registration import register_pending
-from .record import Record, read_record
-from .registration import CommitInfo
-from .registry import JsonlIndexRegistrar, Registrar
-from .restored import Restored
-from .retention import (
-    CheckpointInfo,
-    KeepAll,
-    KeepAny,
-    KeepBest,
-    KeepEvery,
-    KeepLast,
-    KeepMilestones,
-    KeepPinned,
-    KeepTimeInterval,
-    Policy,
-    Retention,
-)
-from .schedule import Milestones, SaveSchedule
-from .state import PerRank, per_rank
-from .view import CheckpointStatus
 
 __all__ = [
     "CheckpointError",

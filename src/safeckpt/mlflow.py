@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._format.layout import RECORD_NAME
+from ._format.record import Record
+from ._registration.worker import CommitInfo, best_metric
 from ._version import __version__
 from .errors import CheckpointError, ConfigError
-from .layout import RECORD_NAME
-from .record import Record
-from .registration import CommitInfo, best_metric
 
 logger = logging.getLogger(__name__)
 
@@ -401,7 +401,7 @@ def _tag_float(version: Any, key: str) -> float:
 
 
 def _retention(record: Record) -> Any:
-    from .retention import Retention
+    from ._policy.retention import Retention
 
     if not record.retention:
         return None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from safeckpt.fileops import FileOps
+from safeckpt._fs.fileops import FileOps
 from safeckpt.testing import (
     FileHolder,
     Linger,

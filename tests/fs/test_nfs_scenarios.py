@@ -22,7 +22,7 @@ import pytest
 
 import toy
 from safeckpt import CheckpointManager, Retention, read_record
-from safeckpt.removal import RETRY_WAITS
+from safeckpt._root.removal import RETRY_WAITS
 from safeckpt.testing import CountingFileOps, FileHolder, Linger, NFSMount
 
 MountFactory = Callable[..., NFSMount]

@@ -12,8 +12,8 @@
     safeckpt demo [--dir DIR] [--steps N] [--kill-at STEP] ...
 
 One module per command group, each a thin layer over the library functions the
-Python API uses (:mod:`safeckpt.maintenance`, :mod:`safeckpt.inspection`,
-:mod:`safeckpt.gc`, :mod:`safeckpt.export`, :mod:`safeckpt.registration`). None
+Python API uses (:mod:`safeckpt._ops.maintenance`, :mod:`safeckpt._ops.inspection`,
+:mod:`safeckpt._root.collect`, :mod:`safeckpt._ops.export`, :mod:`safeckpt._registration.worker`). None
 of them except ``import`` and ``demo`` starts a ``CheckpointManager`` on the
 root: a manager takes ownership of a root and collects its ``.staging/``.
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from .._policy.retention import Retention
+from .._policy.schedule import POW2
 from ..errors import ConfigError
-from ..retention import Retention
-from ..schedule import POW2
 
 
 def positive_int(text: str) -> int:

@@ -24,13 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    InvalidSaveError,
-    LockTimeoutError,
-)
+from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidSaveError, LockTimeoutError
 
 EXIT_OK = 0
 EXIT_FAILED = 1

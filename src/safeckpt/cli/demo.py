@@ -1,4 +1,4 @@
-"""``safeckpt demo``: the seeded toy run of :mod:`safeckpt.demo`."""
+"""``safeckpt demo``: the seeded toy run of :mod:`safeckpt.cli.demo_run`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from .common import add_command
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run
+    from .demo_run import run
 
     return run(args)
 
 
 def add_parser(commands: Any) -> None:
-    from ..demo import add_arguments
+    from .demo_run import add_arguments
 
     parser = add_command(
         commands,

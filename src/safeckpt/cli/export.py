@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..export import (
+from .._dist.failures import human_size
+from .._ops.export import (
     DEFAULT_SHARD_SIZE,
     DTYPES,
     FORMATS,
@@ -15,8 +16,7 @@ from ..export import (
     export_chosen,
     write_export,
 )
-from ..failures import human_size
-from ..weights_import import import_weights
+from .._ops.weights_import import import_weights
 from .args import byte_size, non_negative_int
 from .common import EXIT_OK, add_command, existing_root, out, print_json, progress_bar
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
-from ..failures import human_size
-from ..gc import REMOVED, SKIPPED, collect_garbage
+from .._dist.failures import human_size
+from .._root.collect import REMOVED, SKIPPED, collect_garbage
 from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 

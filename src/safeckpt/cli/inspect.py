@@ -9,8 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..failures import human_size
-from ..inspection import inspect_checkpoint
+from .._dist.failures import human_size
+from .._ops.inspection import inspect_checkpoint
 from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 
 

@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..catalog import Entry, settled_scan, verify_files
-from ..failures import human_size
-from ..inspection import kept_because, recorded_retention
-from ..maintenance import Damaged, damaged_checkpoints
-from ..record import list_files
-from ..retention import Retention
+from .._dist.failures import human_size
+from .._format.catalog import Entry, settled_scan, verify_files
+from .._format.record import list_files
+from .._ops.inspection import kept_because, recorded_retention
+from .._ops.maintenance import Damaged, damaged_checkpoints
+from .._policy.retention import Retention
 from .args import add_retention_arguments, retention_from_args
 from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
 

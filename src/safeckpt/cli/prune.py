@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..maintenance import RECORDED, prune, set_pinned
+from .._ops.maintenance import RECORDED, prune, set_pinned
 from .args import add_retention_arguments, non_negative_int, retention_from_args
 from .common import EXIT_OK, add_command, existing_root, out, print_json
 

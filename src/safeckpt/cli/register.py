@@ -14,7 +14,7 @@ _DONE = ("registered", "skipped")
 
 
 def cmd_register(args: argparse.Namespace) -> int:
-    from ..pending_registration import register_pending, registrar_from_json
+    from .._registration.pending import register_pending, registrar_from_json
 
     root = existing_root(args.root)
     registrar = None

@@ -9,8 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from ..catalog import settled_scan
-from ..maintenance import VerifyReport, verify_root
+from .._format.catalog import settled_scan
+from .._ops.maintenance import VerifyReport, verify_root
 from .args import non_negative_int
 from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print_json, progress_bar
 

@@ -40,11 +40,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
+from .._manager.manager import CheckpointManager
+from .._policy.retention import Retention
+from .._registration.registrar import Registrar
+from .._state.train_state import capture_rng, restore_rng
 from ..errors import ConfigError, UnsupportedStateError
-from ..manager import CheckpointManager
-from ..registry import Registrar
-from ..retention import Retention
-from ..train_state import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """One Lightning checkpoint file: its staging buffers and its atomic write.
 
 * :class:`CheckpointSlot` copies a checkpoint dict's tensors into host buffers kept
-  from save to save (a :class:`~safeckpt.writer.StagingSlot` that keeps container
-  types); a :class:`~safeckpt.writer.StagingPool` of them bounds how many wait;
+  from save to save (a :class:`~safeckpt._manager.background.StagingSlot` that keeps container
+  types); a :class:`~safeckpt._manager.background.StagingPool` of them bounds how many wait;
 * :func:`write_checkpoint` is ``torch.save`` with ``atomic.atomic_write``'s
   protocol (temp sibling, fsync, ``os.replace``, directory fsync), streamed.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write_stream
-from ..fileops import FileOps
-from ..writer import StagingSlot
+from .._fs.atomic import atomic_write_stream
+from .._fs.fileops import FileOps
+from .._manager.background import StagingSlot
 
 TEMP_NAME = re.compile(r"\..+\.tmp\.[0-9a-f]{12}")
 """The temp files :func:`write_checkpoint` makes (``.<name>.tmp.<12 hex>``)."""

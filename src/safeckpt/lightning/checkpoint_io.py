@@ -10,7 +10,7 @@ decision about that state:
 * queued: the save is cancelled and never written;
 * writing: the file is removed right after its write ends, never during it;
 * committed (or a file from an earlier run): renamed into ``<dir>/.trash/`` at
-  once, then deleted by the background :class:`~safeckpt.removal.Deleter`
+  once, then deleted by the background :class:`~safeckpt._root.removal.Deleter`
   (NFS retries, the shared 0.75 s budget, drained at ``teardown()``).
 
 Each file is what ``torch.save(checkpoint)`` writes (Lightning's own format),
@@ -38,12 +38,12 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from .._format.layout import Layout
+from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
+from .._fs.lock import SidecarLock
+from .._manager.background import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter, StagingPool
+from .._root.removal import Deleter
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
-from ..fileops import DEFAULT_FILE_OPS, FileOps
-from ..layout import Layout
-from ..lock import SidecarLock
-from ..removal import Deleter
-from ..writer import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter, StagingPool
 from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
 
 logger = logging.getLogger(__name__)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..fileops import FileOps
-from ..removal import PassResult
+from .._fs.fileops import FileOps
+from .._root.removal import PassResult
 
 if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+    from .._manager.manager import CheckpointManager
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The glue to torch.distributed.checkpoint: safe metadata, readers and planners, save and load."""

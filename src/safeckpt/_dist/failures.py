@@ -1,0 +1,116 @@
+"""Turning what went wrong during a save into one error that says what to do."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import RootNotWritableError, SaveFailedError
+
+
+def describe(error: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException is unwrapped to each rank's cause."""
+    if isinstance(error, CheckpointException):
+        causes = []
+        for rank, failure in sorted(error.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"DCP rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(causes) or str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def save_failed(
+    step: int,
+    failed: Mapping[int, BaseException],
+    *,
+    own: BaseException | None,
+    root: Path,
+    latest: str,
+    distributed: bool,
+) -> SaveFailedError:
+    """The error every rank raises for a save that failed on ``failed`` (rank -> error).
+
+    ``latest`` says what ``latest`` names now ("step 3", "nothing", "unchanged").
+    The free space where the root is goes into the message: a full disk is the
+    usual cause, and DCP's own error rarely says so.
+    """
+    detail = "; ".join(f"rank {r}: {describe(e)}" for r, e in sorted(failed.items()))
+    with contextlib.suppress(OSError):
+        detail += f" (free space where the root is: {human_size(shutil.disk_usage(root).free)})"
+    where = f" on rank(s) {sorted(failed)}" if distributed else ""
+    cause = own or failed[min(failed)]
+    error = SaveFailedError(
+        f"the save of step {step} failed{where}: {detail}. Nothing of it was committed; `latest` "
+        f"{latest} and earlier checkpoints are untouched. Fix the cause (disk space, permissions, "
+        "the state) and save again.",
+        step=step,
+        path=str(root),
+        cause=cause,
+        failures={r: describe(e) for r, e in failed.items()},
+    )
+    error.__cause__ = cause
+    return error
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return path
+
+
+def _cause_and_remedy(root: Path, error: OSError) -> tuple[str, str]:
+    """What an ``OSError`` on ``root`` means, in words, and what to do about it."""
+    code = error.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f" ({human_size(shutil.disk_usage(_nearest_existing(root)).free)} free)"
+        return f"the filesystem is full{free}", "free space there (or prune old checkpoints), then save again"
+    if code == errno.EROFS:
+        return "the filesystem is mounted read-only", (
+            "mount it read-write, or pass read_only=True for a job that only restores"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied", (
+            "give this user write access to the root and its parent, or pass read_only=True for a "
+            "job that only restores"
+        )
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        blocker = _nearest_existing(root)
+        return f"{blocker} is a file, not a directory", "choose a root whose parents are directories"
+    if code == errno.ENOENT:
+        return "a directory of it is missing (removed while the job ran?)", (
+            "check that the filesystem is mounted and the root's parent exists"
+        )
+    return f"{type(error).__name__}: {error}", "check the filesystem and its permissions"
+
+
+def root_not_writable(
+    root: Path, error: OSError, *, doing: str, step: int | None = None
+) -> RootNotWritableError:
+    """The error for an ``OSError`` met while preparing to write ``root``: the cause, then the remedy."""
+    cause, remedy = _cause_and_remedy(root, error)
+    wrapped = RootNotWritableError(
+        f"{doing}: {root} cannot be written: {cause} ({type(error).__name__}: {error}). Nothing "
+        f"already saved was touched; {remedy}.",
+        path=str(root),
+        step=step,
+        errno=error.errno,
+    )
+    wrapped.__cause__ = error
+    return wrapped

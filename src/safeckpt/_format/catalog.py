@@ -1,0 +1,179 @@
+"""A read-only look at a checkpoint root: committed checkpoints, ``latest``, leftovers.
+
+Used by the manager when it opens a root and by the command line. Reads
+records and lists directories; changes nothing and takes no lock (records are
+replaced atomically, so a reader sees a whole one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._fs.atomic import read_pointer
+from .._fs.safe_open import read_small
+from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from .layout import DAMAGED_NOTE, REPLACED, Layout, parse_step_dirname, parse_trash_name
+from .record import Record, missing_or_wrong_files, read_record
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint directory: its record, or why it has no usable one.
+
+    ``displaced`` marks the old copy of a step whose replacement a crash
+    interrupted (``.trash/step_<N>.replaced.*`` while ``step_<N>`` is missing):
+    it is still that step's committed copy until the owner's start-up recovery
+    puts it back.
+    """
+
+    step: int
+    path: Path
+    record: Record | None
+    problem: str | None = None
+    displaced: bool = False
+
+    @property
+    def committed(self) -> bool:
+        return self.record is not None and self.problem is None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Commit order: by the record's sequence (records before format 2 first, by step)."""
+        seq = self.record.seq if self.record is not None and self.record.seq is not None else -1
+        return (seq, self.step)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What a root holds, as read at one moment."""
+
+    layout: Layout
+    entries: tuple[Entry, ...]
+    latest_name: str | None
+    staging: tuple[Path, ...] = field(default=())
+    trash: tuple[Path, ...] = field(default=())
+    damaged: tuple[Path, ...] = field(default=())
+    """Checkpoints auto-resume found unloadable and moved aside (``.damaged/``): never loaded."""
+
+    @property
+    def committed(self) -> dict[int, Entry]:
+        return {e.step: e for e in self.entries if e.committed}
+
+    def newest_first(self) -> list[Entry]:
+        """Committed checkpoints, the most recent commit first (the order auto-resume tries)."""
+        return sorted(self.committed.values(), key=lambda e: e.order, reverse=True)
+
+    @property
+    def latest_step(self) -> int | None:
+        """The most recently committed step: what auto-resume takes (``latest`` only mirrors it)."""
+        newest = self.newest_first()
+        return newest[0].step if newest else None
+
+    @property
+    def pointer_step(self) -> int | None:
+        """The step the ``latest`` pointer names if that step is committed, else None."""
+        step = parse_step_dirname(self.latest_name) if self.latest_name else None
+        return step if step in self.committed else None
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next commit gets."""
+        seqs = [e.record.seq for e in self.entries if e.record is not None and e.record.seq is not None]
+        return max(seqs, default=0) + 1
+
+
+def scan(root: Path) -> Catalog:
+    """Read every record under ``root``. A directory with a bad record is listed with its problem.
+
+    Reads only (never follows a link out of the root, never opens anything but
+    regular files), so it is safe on a root another job is writing.
+    """
+    layout = Layout(root)
+    entries = [_entry(step, path) for step, path in layout.committed_dirs()]
+    present = {e.step for e in entries}
+    trash = tuple(layout.trash_entries())
+    for path in trash:
+        parsed = parse_trash_name(path.name)
+        if parsed is None or parsed[1] != REPLACED or parsed[0] in present:
+            continue
+        entry = _entry(parsed[0], path)
+        if entry.committed:
+            entries.append(dataclasses.replace(entry, displaced=True))
+            present.add(entry.step)
+    return Catalog(
+        layout=layout,
+        entries=tuple(sorted(entries, key=lambda e: e.step)),
+        latest_name=read_pointer(layout.latest_path),
+        staging=tuple(layout.staging_entries()),
+        trash=trash,
+        damaged=tuple(layout.damaged_entries()),
+    )
+
+
+# Waits between the scans of settled_scan(): a commit moves `latest` and prunes within
+# milliseconds, so a few short tries see a settled root; bounded, 0.35 s in all.
+_RESCAN_WAITS = (0.01, 0.02, 0.04, 0.08, 0.2)
+
+
+def settled_scan(root: Path) -> Catalog:
+    """:func:`scan`, taken again (a few bounded times) while it caught a writer mid-commit.
+
+    A scan lists the step directories, then reads their records, then ``latest``: a commit
+    (and the pruning after it) in between makes the pointer name a step the listing lacks,
+    or a listed directory vanish. A reader on a root a job is writing (``safeckpt verify``,
+    ``ls``) takes the catalog this way; what still disagrees after the last try is reported.
+    Entries that vanished (pruned) after the listing are left out.
+    """
+    catalog = scan(root)
+    for wait in _RESCAN_WAITS:
+        if _settled(catalog):
+            break
+        time.sleep(wait)
+        catalog = scan(root)
+    present = tuple(e for e in catalog.entries if e.committed or os.path.lexists(e.path))
+    return dataclasses.replace(catalog, entries=present)
+
+
+def _settled(catalog: Catalog) -> bool:
+    """Whether ``catalog`` shows no sign of a commit or prune that ran while it was read."""
+    if catalog.latest_name is not None and catalog.pointer_step is None:
+        return False  # `latest` names a step the listing has not (yet) seen committed
+    if catalog.latest_name is None and catalog.committed:
+        return False  # a first commit: its directory is in place, `latest` not yet
+    return all(e.committed or os.path.lexists(e.path) for e in catalog.entries)
+
+
+def _entry(step: int, path: Path) -> Entry:
+    try:
+        record = read_record(path, step=step)
+    except (IncompleteCheckpointError, UnsafeCheckpointError) as e:
+        return Entry(step, path, None, str(e))
+    except OSError as e:  # gone meanwhile (pruned), or unreadable
+        return Entry(step, path, None, f"unreadable ({e})")
+    if record is None:
+        return Entry(step, path, None, "no record (a save that never finished, or not ours)")
+    if not record.committed:
+        return Entry(step, path, record, f"record status is {record.status!r}")
+    return Entry(step, path, record)
+
+
+def verify_files(entry: Entry) -> list[str]:
+    """What is wrong with ``entry``'s files against its record (empty: complete). Stats only."""
+    if entry.record is None:
+        return [entry.problem or "no record"]
+    problems = [entry.problem] if entry.problem else []
+    return problems + missing_or_wrong_files(entry.path, entry.record)
+
+
+def damaged_note(path: Path) -> dict[str, object]:
+    """What the ``damaged.json`` note of a moved-aside checkpoint says (empty when it has none)."""
+    try:
+        data = json.loads(read_small(path / DAMAGED_NOTE, limit=64 << 10, what="damage note"))
+    except (OSError, ValueError, CheckpointError):
+        return {}
+    return data if isinstance(data, dict) else {}

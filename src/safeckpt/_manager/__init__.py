@@ -1,0 +1,1 @@
+"""CheckpointManager and the collaborators it is built from."""

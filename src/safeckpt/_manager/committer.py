@@ -1,0 +1,444 @@
+"""The life of one save after ``save()`` hands it over: write, agree, commit, then bookkeeping.
+
+Runs on the writer thread (inline in sync mode), as the writer half of
+:class:`~safeckpt._manager.manager.CheckpointManager`. The protocol (``docs/format.md``):
+
+1. every rank writes its DCP shards and its train-state file into
+   ``.staging/step_<N>.<token>/``, each file fsynced, and checksums them as it writes;
+2. the ranks agree that every write succeeded and hand rank 0 their checksums;
+3. rank 0, holding the sidecar lock, writes the record and renames the directory
+   to ``step_<N>``: the one commit point. ``latest`` follows;
+4. rank 0 prunes and hands the commit to the registration thread; every rank then
+   takes rank 0's view of the committed checkpoints.
+
+A failure before the rename leaves nothing committed and is raised on every
+rank at the next call; a failure after it is only logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .._dcp import io as dcp_io
+from .._dcp.plans import SavePlans
+from .._dist.failures import save_failed
+from .._dist.participants import Participants
+from .._dist.participants import portable as _portable
+from .._format.checksums import FileChecksum, checksum_file
+from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
+from .._format.record import Record, list_files, read_record, write_record
+from .._fs.atomic import replace_dir, swap_pointer
+from .._fs.fileops import FileOps
+from .._fs.lock import SidecarLock
+from .._policy.retention import Policy, Retention, explain, retention_json
+from .._registration.worker import CommitInfo, RegistrationWorker, is_best
+from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
+from .._state.replicas import diverging, fingerprints
+from .._state.walk import nest_for_dcp, train_state_filename
+from .._version import __version__
+from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementError, SaveFailedError
+from .background import COMMITTED, FAILED, StagingPool
+from .saves import Committed, SaveJob, SaveView
+
+logger = logging.getLogger("safeckpt._manager.manager")
+
+_WRITE_ERRORS = (Exception, CheckpointException)
+
+
+class CommitPath:
+    """The writer half of a manager: what happens to a save after ``save()`` returns."""
+
+    root: Path
+    retention: Retention | Policy
+    _parts: Participants
+    _plans: SavePlans
+    _layout: Layout
+    _ops: FileOps
+    _view: SaveView
+    _pool: StagingPool | None
+    _policy: Policy
+    _lock: SidecarLock | None
+    _deleter: Deleter | None
+    _registration: RegistrationWorker | None
+    registration_timeout: float
+    _warned_diverging: set[str]  # keys warned about (safeckpt._state.replicas), once each
+    _held_for_registration: set[int]  # steps retention drops, kept while they register
+    _warned_narrower: set[int]  # steps warned about as kept by an earlier run's retention
+
+    def _persist(self, job: SaveJob) -> None:
+        """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
+
+        One boundary: whatever is raised, the job ends in the view in exactly one
+        terminal state (committed if rank 0's rename happened, else failed), and
+        the error waits for the next save/wait/flush/close. Never raises.
+        """
+        try:
+            self._write_and_commit(job)
+        except BaseException as e:
+            job.release_staging(self._pool)
+            if job.committed_here:
+                # Every rank had reported its shards durable and rank 0 committed: the checkpoint
+                # is whole. A lost rank is still news for every caller; bookkeeping after the
+                # commit (pins, pruning) only warns, and the next commit retries it.
+                news = e if isinstance(e, RankAgreementError) else None
+                self._view.finish(job, COMMITTED, news)
+                logger.warning("safeckpt: step %d is committed, but what followed failed: %s", job.step, e)
+            else:
+                if self._parts.is_leader:
+                    self._discard_staging(job.staging_dir)
+                self._view.finish(job, FAILED, _as_checkpoint_error(e, job.step))
+                logger.error("safeckpt: step %d was not committed: %s", job.step, e)
+            on_main = threading.current_thread() is threading.main_thread()
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) and on_main:
+                raise  # a sync save interrupted by Ctrl-C: the job is accounted for, the interrupt goes on
+        finally:
+            if not job.ended:  # cannot happen; a job never stays in flight
+                self._view.finish(job, FAILED, SaveFailedError(f"step {job.step} ended unaccounted"))
+
+    def _warn_diverging(self, step: int, prints: list[dict[str, int]]) -> None:
+        """Rank 0: warn (once per key) about plain tensors that differ between ranks (replicas to DCP)."""
+        found = {k: r for k, r in diverging(prints).items() if k not in self._warned_diverging}
+        if not found:
+            return
+        self._warned_diverging.update(found)
+        listing = ", ".join(f"{k!r} (ranks {', '.join(map(str, r))})" for k, r in list(found.items())[:10])
+        logger.warning(
+            "safeckpt: step %d: %d plain tensor(s) differ between ranks: %s%s. DCP stores one copy of a "
+            "plain tensor that several ranks hold under one key, and a restore gives every rank that "
+            "copy. Wrap what each rank holds for itself (a data loader, a generator) in "
+            "safeckpt.per_rank(...), and make a tensor that holds one part of a larger weight a DTensor; "
+            "see docs/state.md.",
+            step,
+            len(found),
+            listing,
+            " ..." if len(found) > 10 else "",
+        )
+
+    def _crashed(self, job: SaveJob, error: BaseException) -> None:
+        self._view.finish(job, FAILED, _as_checkpoint_error(error, job.step))
+
+    def _write_and_commit(self, job: SaveJob) -> None:
+        parts = self._parts
+        cancel = parts.broadcast(job.cancel_requested, parts.writer, what=f"cancelling step {job.step}")
+        self._view.start(job, cancel)
+        if cancel:
+            job.release_staging(self._pool)
+            return
+        started = time.monotonic()
+        error: BaseException | None = None
+        sums: dict[str, Any] = {}
+        prints: dict[str, int] = {}
+        try:
+            if parts.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
+                prints = fingerprints(job.dcp_state, job.step)
+            job.staging_dir.mkdir(parents=True, exist_ok=True)
+            # Nested by first key segment: DCP's per-top-level-key work then runs per group.
+            written = dcp_io.save(
+                nest_for_dcp(job.dcp_state), job.staging_dir, parts.writer, plans=self._plans
+            )
+            train_name = train_state_filename(parts.rank)
+            self._ops.write_file(job.staging_dir / train_name, job.train_state)
+            sums = {name: checksum.to_json() for name, checksum in written.items()}
+            sums[train_name] = FileChecksum.whole(job.train_state).to_json()
+        except _WRITE_ERRORS as e:
+            error = e
+        finally:
+            job.release_staging(self._pool)
+        written_at = time.monotonic()
+        gathered = parts.gather(
+            (_portable(error), sums, prints), parts.writer, what=f"writing step {job.step}"
+        )
+        failed = {rank: e for rank, (e, _, _) in enumerate(gathered) if e is not None}
+        commit_error: BaseException | None = None
+        if not failed and parts.is_leader:
+            self._warn_diverging(job.step, [p for _, _, p in gathered])
+            checksums: dict[str, Any] = {}
+            for _, theirs, _ in gathered:
+                checksums.update(theirs)
+            try:
+                self._commit(job, checksums)
+            except Exception as e:
+                commit_error = e
+        commit_error = parts.broadcast(
+            _portable(commit_error), parts.writer, what=f"committing step {job.step}"
+        )
+        if commit_error is not None:
+            failed[0] = commit_error
+        if failed:
+            self._fail(job, failed, error)
+            return
+        self._view.finish(job, COMMITTED)
+        logger.info(
+            "safeckpt: committed step %d in %.2f s (write %.2f s)",
+            job.step,
+            time.monotonic() - job.submitted,
+            written_at - started,
+        )
+        if parts.is_leader:
+            try:  # bookkeeping after a commit never fails it (it is retried at the next one)
+                self._register(job.step)
+                self._prune()
+            except Exception as e:
+                logger.warning(
+                    "safeckpt: after committing step %d: %s; retried at the next commit", job.step, e
+                )
+        self._share_view(parts.writer, what=f"the checkpoints after step {job.step}")
+
+    def _share_view(self, group: Any, *, what: str) -> None:
+        """Collective: every rank's view of committed checkpoints becomes rank 0's, so queries
+        (``latest_step``, ``checkpoints()``) answer the same on every rank without a collective."""
+        if not self._parts.distributed:
+            return
+        mine = self._view.snapshot() if self._parts.is_leader else None
+        snapshot = self._parts.broadcast(mine, group, what=what)
+        if not self._parts.is_leader:
+            self._view.load_snapshot(snapshot)
+
+    def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
+        parts = self._parts
+        if parts.is_leader:
+            self._discard_staging(job.staging_dir)
+            latest = self._view.latest
+            pointer = f"still names {'step ' + str(latest) if latest is not None else 'nothing'}"
+        else:
+            pointer = "is unchanged"
+        error = save_failed(
+            job.step, failed, own=own, root=self.root, latest=pointer, distributed=parts.distributed
+        )
+        self._view.finish(job, FAILED, error)
+        logger.error("safeckpt: %s", error)
+
+    def _discard_staging(self, staging_dir: Path) -> None:
+        """Move a failed save's staging directory to the trash and delete it now (rank 0).
+
+        Deleted before the failure is reported (on the writer thread), so a save
+        that failed for want of space gives that space back before the next one
+        starts. Its own failure is logged, never raised: the save's error is the news.
+        """
+        assert self._lock is not None
+        try:
+            moved = collect_abandoned_staging(self._layout, self._lock, self._ops, only=staging_dir)
+            if moved and self._deleter is not None:
+                self._deleter.run_pass()
+        except Exception as e:
+            logger.warning("safeckpt: could not clean up the failed save in %s (%s)", staging_dir, e)
+
+    def _commit(self, job: SaveJob, checksums: Mapping[str, Any]) -> None:
+        """Rank 0, under the sidecar lock: record, then the rename into place, then ``latest``.
+
+        The rename of the complete directory (record included) to ``step_<N>`` is
+        the one commit point: from then on the save is committed, whatever
+        happens to the bookkeeping after it (``latest`` is only a mirror of the
+        newest commit, repaired at the next start when it lags).
+        """
+        assert self._lock is not None
+        layout = self._layout
+        files = list_files(job.staging_dir)
+        # Checksums the writers could not compute as they wrote (DCP's own .metadata and, with
+        # SAFECKPT_DCP_IO=torch, every file) are computed from the files, still in the page cache.
+        sums = {
+            name: checksums[name] if name in checksums else checksum_file(job.staging_dir / name).to_json()
+            for name in files
+        }
+        target = layout.step_dir(job.step)
+        with self._lock:
+            # Built under the lock: a pin() of this step either lands in the job first or finds
+            # the committed checkpoint after (pin holds the same lock), never in between.
+            record = Record(
+                step=job.step,
+                time=job.time,
+                files=files,
+                metrics=dict(job.metrics),
+                extra=dict(job.extra),
+                world_size=self._parts.world_size,
+                pinned=job.pinned,
+                torch_version=torch.__version__,
+                library_version=__version__,
+                retention=retention_json(self.retention),
+                checksums=sums,
+                seq=self._view.take_seq(),
+            )
+            write_record(job.staging_dir, record, self._lock, self._ops)
+            layout.trash.mkdir(exist_ok=True)
+            try:
+                replaced = replace_dir(
+                    job.staging_dir,
+                    target,
+                    layout.new_trash_path(job.step, REPLACED),
+                    layout.new_trash_path(job.step, PRUNED),
+                    self._ops,
+                )
+            except OSError:
+                if not _holds(target, record):
+                    raise
+                # Renamed into place, then a directory fsync failed: committed, maybe not durable.
+                logger.warning("safeckpt: step %d is in place, but fsyncing %s failed", job.step, self.root)
+                replaced = False
+            job.committed_here = True
+            self._view.commit(Committed(target, record))
+            try:
+                swap_pointer(layout.latest_path, step_dirname(job.step), self._ops)
+            except OSError as e:
+                logger.warning(
+                    "safeckpt: step %d is committed, but moving `latest` to it failed (%s); resume "
+                    "takes it anyway, and the next start repairs `latest`",
+                    job.step,
+                    e,
+                )
+        if replaced and self._deleter is not None:
+            self._deleter.schedule()
+
+    def _register(self, step: int) -> None:
+        """Rank 0: hand the commit of ``step`` to the registration thread; never waits for it."""
+        if self._registration is None:
+            return
+        entry = self._view.get(step)
+        if entry is None:
+            return
+        self._registration.submit(
+            CommitInfo(step, entry.path, entry.record, self.root, is_best=self._is_best(step))
+        )
+
+    def _close_registration(self) -> None:
+        """Offer the final checkpoint, then wait at most ``registration_timeout``. Never raises.
+
+        Only a manager that committed something offers one: a reader registers nothing.
+        """
+        worker, self._registration = self._registration, None
+        if worker is None:
+            return
+        try:
+            latest = self._view.latest
+            entry = self._view.get(latest) if latest is not None else None
+            if entry is not None and worker.saw_commit:
+                worker.submit(
+                    CommitInfo(
+                        latest, entry.path, entry.record, self.root, is_best=self._is_best(latest), final=True
+                    )
+                )
+        except Exception as e:
+            logger.warning("safeckpt: could not offer the final checkpoint for registration: %s", e)
+        worker.close(self.registration_timeout)
+
+    def _is_best(self, step: int) -> bool:
+        """Whether ``step`` is the best committed checkpoint by retention's keep_best metric."""
+        committed = [s for s in self._view.statuses(self.retention) if s.status == COMMITTED]
+        return is_best(step, committed, self.retention)
+
+    def _prune(self) -> None:
+        """Rank 0: move committed checkpoints that retention drops into the trash.
+
+        Never the one ``latest`` names, one with a save in flight, one pinned
+        (the pin is re-read from the record, as a ``safeckpt pin`` may have set it),
+        or one whose registration is queued or running (up to ``registration_timeout``
+        once it runs). What that holds back is pruned at a later commit or at ``close()``.
+        """
+        assert self._lock is not None
+        self._refresh_pins()
+        registering = self._registration.pending_steps() if self._registration is not None else frozenset()
+        drop = self._view.prune_plan(self._policy, held=registering)
+        if registering:
+            held = self._view.prune_plan(self._policy) - drop
+            if held - self._held_for_registration:
+                logger.info(
+                    "safeckpt: keeping step(s) %s until their registration ends",
+                    ", ".join(map(str, sorted(held))),
+                )
+            self._held_for_registration = set(held)
+        else:
+            self._held_for_registration = set()
+        if drop:
+            self._warn_narrower_retention(drop)
+        removed = []
+        for step in sorted(drop):
+            try:
+                if self._trash_one(step):
+                    removed.append(step)
+            except OSError as e:
+                logger.warning("safeckpt: could not prune step %d (%s); will retry", step, e)
+        if removed:
+            logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
+            assert self._deleter is not None
+            self._deleter.schedule()
+
+    def _warn_narrower_retention(self, drop: frozenset[int]) -> None:
+        """Rank 0, before removing ``drop``: warn, once per step, about those that the retention of
+        the run that wrote the newest older record kept (a resume with narrower rules)."""
+        current = json.loads(json.dumps(retention_json(self.retention)))  # as a record reads back
+        earlier = self._view.earlier_retention(current)
+        if earlier is None:
+            return
+        try:
+            rules = Retention.from_json(earlier)
+        except (CheckpointError, TypeError, ValueError):
+            return  # a custom policy cannot be rebuilt: nothing to compare with
+        infos = [c.info() for c in self._view.committed()]
+        reasons = explain(infos, rules)
+        lost = {s: reasons[s] for s in sorted(drop - self._warned_narrower) if reasons.get(s)}
+        if not lost:
+            return
+        self._warned_narrower.update(lost)
+        logger.warning(
+            "safeckpt: this run's retention (%s) is narrower than the one that wrote this root's earlier "
+            "checkpoints (%s): it now removes %s, which that retention kept. Pass the earlier rules "
+            "(or pin these steps: `safeckpt pin ROOT STEP`) to keep them.",
+            self._policy.reason(),
+            rules.policy().reason(),
+            "; ".join(f"step {s} ({', '.join(why)})" for s, why in lost.items()),
+        )
+
+    def _prune_held_back(self) -> None:
+        """Rank 0 at ``close()``, after the registrations ended: prune what they held back."""
+        if not self._held_for_registration or self._deleter is None:
+            return
+        try:
+            self._prune()
+        except Exception as e:  # pruning never fails the job
+            logger.warning("safeckpt: pruning after the registrations ended failed: %s", e)
+
+    def _refresh_pins(self) -> None:
+        """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""
+        for entry in self._view.pinned():
+            try:
+                record = read_record(entry.path)
+            except IncompleteCheckpointError:
+                continue
+            if record is not None and not record.pinned:
+                self._view.update(Committed(entry.path, record))
+
+    def _trash_one(self, step: int) -> bool:
+        assert self._lock is not None
+        moved, record = discard_checkpoint(self._layout, self._lock, self._ops, step)
+        if moved:
+            self._view.forget(step)
+        elif record is not None:
+            self._view.update(Committed(self._layout.step_dir(step), record))
+        return moved
+
+
+def _as_checkpoint_error(error: BaseException, step: int) -> CheckpointError:
+    if isinstance(error, CheckpointError):
+        return error
+    wrapped = SaveFailedError(
+        f"the save of step {step} failed: {type(error).__name__}: {error}", step=step, cause=error
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _holds(target: Path, record: Record) -> bool:
+    """Whether ``target`` is the checkpoint ``record`` describes (its commit happened)."""
+    try:
+        found = read_record(target)
+    except (CheckpointError, OSError):
+        return False
+    return found is not None and found.seq == record.seq and found.step == record.step

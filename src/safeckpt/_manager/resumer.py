@@ -1,0 +1,343 @@
+"""Resuming on every rank: rank 0 chooses, every rank checks its own files, all load or fall back.
+
+The restore half of :class:`~safeckpt._manager.manager.CheckpointManager`: auto-resume
+takes the newest commit that every rank can load, stepping over a damaged one
+on every rank together; an explicit step raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .._dcp import io as dcp_io
+from .._dist.participants import Participants, agreed_error
+from .._dist.participants import portable as _portable
+from .._format.identity import Fate, fate_of
+from .._format.layout import Layout
+from .._format.record import Record
+from .._fs.fileops import FileOps
+from .._fs.lock import SidecarLock
+from .._restore.choose import (
+    REREADS,
+    as_read_error,
+    check_own_files,
+    choose_checkpoint,
+    is_damage,
+    kept_changing,
+    removed_while_read,
+)
+from .._restore.load import load as load_state
+from .._restore.load_into import load_checkpoint
+from .._restore.restored import Restored
+from .._root.ownership import Ownership
+from .._root.quarantine import move_aside
+from .._util.gc_pause import collector_paused
+from .._util.validate import validate_or_none
+from ..errors import CheckpointError, IncompleteCheckpointError
+from .saves import SaveView
+
+logger = logging.getLogger("safeckpt._manager.manager")
+
+_WRITE_ERRORS = (Exception, CheckpointException)
+
+
+# What a failed attempt at one checkpoint leads to, the same on every rank.
+_LOADED = "loaded"
+_SKIP = "skip"  # damaged: auto-resume falls back past it
+_AGAIN = "again"  # replaced or removed under this reader: choose again
+
+
+class ResumePath:
+    """The restore half of a manager: which checkpoint every rank loads, and loading it."""
+
+    root: Path
+    save_rng: bool
+    _parts: Participants
+    _layout: Layout
+    _view: SaveView
+    _lock: SidecarLock | None
+    _ownership: Ownership | None
+    _ops: FileOps
+    _unloadable: dict[int, tuple[Path, Record, str]]
+    _check_open: Callable[[], None]
+    _conclude: Callable[..., Any]
+    _share_view: Callable[..., None]
+
+    @collector_paused()  # the record's and the plan's objects too, not only DCP's (see _util.gc_pause)
+    @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        step: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        strict: bool = True,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> Restored:
+        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
+
+        The :class:`Restored` result carries the step, path, metrics, extra and
+        record; it is falsy (``.step is None``) when there was nothing to restore,
+        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
+
+        With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
+        is committed and complete, else the newest complete one (with a warning);
+        nothing, and ``state`` untouched, when there is none. A checkpoint found
+        damaged is moved aside to ``.damaged/`` by the root's writer, so it never
+        counts as the newest step again. An explicit ``step`` or ``path`` is
+        loaded as is, or raises if it is missing or broken. A checkpoint replaced
+        or pruned while it is read (by the job writing the root) is chosen anew,
+        never reported as damage. Rank 0 decides which checkpoint, and every rank
+        loads that one. ``strict``: every key of ``state`` must be in the
+        checkpoint and vice versa (else the result lists what did not match).
+        ``include``/``exclude``: dotted paths (``"model"``, ``"optim.state"``) to
+        load only, or to leave out (RNG states are then left alone); see
+        ``docs/state.md``.
+        """
+        self._check_open()
+        step = validate_or_none(step)
+        auto = step is None and path is None
+        excluded: set[int] = set()
+        filled: list[int] = []  # steps that failed while being read, after filling part of the state
+        rereads = 0
+        try:
+            while True:
+                choice = self._choose(step, path, excluded)
+                if choice is None:
+                    if filled:  # not a fresh start: the state holds part of a damaged checkpoint
+                        break
+                    self._move_aside_unloadable()
+                    logger.info("safeckpt: nothing to resume in %s; starting from step 0", self.root)
+                    return Restored()
+                directory, record = choice
+                began: list[bool] = []  # the state started to change (load_checkpoint's filling)
+                outcome = None
+                try:
+                    outcome, report = self._try_load(
+                        state, directory, record, auto, began, strict=strict, include=include, exclude=exclude
+                    )
+                finally:
+                    if began and outcome != _LOADED:
+                        filled.append(record.step)
+                if outcome == _LOADED:
+                    break
+                if outcome == _SKIP:
+                    excluded.add(record.step)
+                    self._note_unloadable(directory, record, report)
+                    continue
+                rereads += 1
+                if rereads > REREADS:
+                    raise kept_changing(directory, record)
+        except Exception as e:  # a later attempt's error, or a refusal to fall back
+            if filled:
+                e.add_note(
+                    f"safeckpt: the state is not as it was: step {filled[0]} filled part of it in place "
+                    "before its damage was found. Build it anew before training on it."
+                )
+            raise  # what failed stays where it is: the error tells the user what to move
+        if outcome != _LOADED:
+            raise _partly_filled(self.root, filled)
+        self._conclude(None, what=f"restore of step {record.step}", step=record.step)
+        if auto:
+            self._move_aside_unloadable()
+        logger.info("safeckpt: restored step %d from %s", record.step, directory)
+        missing = tuple(getattr(report, "missing", ()))
+        if filled and missing:
+            logger.warning(
+                "safeckpt: restored step %d, which lacks %s; these were filled in place from the "
+                "damaged step %d before its damage was found, and may hold its damaged bytes. Set "
+                "them anew before training on them.",
+                record.step,
+                ", ".join(repr(k) for k in missing[:10]) + (" ..." if len(missing) > 10 else ""),
+                filled[0],
+            )
+        return Restored.from_record(
+            record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
+        )
+
+    def _try_load(
+        self,
+        state: MutableMapping[str, Any],
+        directory: Path,
+        record: Record,
+        auto: bool,
+        began: list[bool],
+        **options: Any,
+    ) -> tuple[str, Any]:
+        """One attempt at one checkpoint on every rank: loaded (and the load's report), or what to do
+        next (and, to skip it, why), the same on every rank."""
+        parts = self._parts
+        what = f"restore of step {record.step}"
+        # Each rank checks its own files first, so one rank's damaged file is the same error on
+        # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+        own = _attempt(check_own_files, directory, record, parts.rank)
+        outcome, why = self._next_move(own, what, directory, record, auto)
+        if outcome != _LOADED:
+            return outcome, why
+        report: Any = None
+        load_error: BaseException | None = None
+        try:
+            report = load_checkpoint(
+                state,
+                directory,
+                record,
+                parts,
+                with_rng=self.save_rng,
+                filling=functools.partial(began.append, True),
+                **options,
+            )
+        except _WRITE_ERRORS as e:
+            load_error = as_read_error(e, directory, record)
+        outcome, why = self._next_move(load_error, what, directory, record, auto)
+        return outcome, report if outcome == _LOADED else why
+
+    def load(self, step: int | None = None) -> dict[Any, Any]:
+        """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
+
+        See :func:`safeckpt.load`. Not collective: each rank that calls it reads
+        the whole checkpoint.
+        """
+        self._check_open()
+        return load_state(self.root, step=validate_or_none(step))
+
+    def _choose(
+        self, step: int | None, path: str | os.PathLike[str] | None, excluded: set[int]
+    ) -> tuple[Path, Record] | None:
+        """Rank 0 chooses; every rank gets the same choice, or the same error."""
+        parts = self._parts
+        if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
+            return choose_checkpoint(
+                self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
+            )
+        choice: tuple[str, dict[str, Any]] | None = None
+        error: BaseException | None = None
+        if parts.is_leader:
+            try:
+                found = choose_checkpoint(
+                    self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
+                )
+                choice = None if found is None else (str(found[0]), found[1].to_json())
+            except Exception as e:
+                error = e
+        choice, error = parts.broadcast(
+            (choice, _portable(error)), parts.control, what="choosing the checkpoint to restore"
+        )
+        if error is not None:
+            raise error
+        if choice is None:
+            return None
+        directory = Path(choice[0])
+        return directory, Record.from_json(choice[1], path=str(directory))
+
+    def _next_move(
+        self, error: BaseException | None, what: str, directory: Path, record: Record, auto: bool
+    ) -> tuple[str, str]:
+        """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
+        was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume);
+        else raise the same error on every rank."""
+        gathered = self._parts.gather(_portable(error), self._parts.control, what=what)
+        failed = {rank: e for rank, e in enumerate(gathered) if e is not None}
+        if not failed:
+            return _LOADED, ""
+        fate = self._fate(directory, record, what)
+        if fate is Fate.REPLACED or (fate is Fate.GONE and auto):
+            logger.info(
+                "safeckpt: step %d was %s while it was read; choosing again",
+                record.step,
+                "replaced by a new save of it" if fate is Fate.REPLACED else "removed (pruned)",
+            )
+            return _AGAIN, ""
+        if fate is Fate.GONE:
+            raise removed_while_read(directory, record)
+        if auto and all(is_damage(e) for e in failed.values()):
+            why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            logger.warning(
+                "safeckpt: step %d cannot be loaded (%s); falling back to the commit before it",
+                record.step,
+                why,
+            )
+            return _SKIP, why
+        if not self._parts.distributed:
+            assert error is not None
+            raise error
+        raise agreed_error(failed, what=what, step=record.step)
+
+    def _fate(self, directory: Path, record: Record, what: str) -> Fate:
+        """Rank 0 looks whether ``directory`` still holds ``record``'s commit; every rank learns it."""
+        mine = fate_of(directory, record) if self._parts.is_leader else None
+        if not self._parts.distributed:
+            assert mine is not None
+            return mine
+        return Fate(self._parts.broadcast(mine and mine.value, self._parts.control, what=what))
+
+    # --- damaged checkpoints, moved aside ---------------------------------------------------
+
+    def _damaged_at_choice(self, directory: Path, record: Record | None, error: Exception) -> None:
+        if record is not None:
+            self._note_unloadable(directory, record, str(error))
+
+    def _note_unloadable(self, directory: Path, record: Record, reason: str) -> None:
+        """Rank 0: auto-resume stepped over this commit; it no longer counts as the newest step."""
+        if self._parts.is_leader:
+            self._unloadable[record.step] = (directory, record, reason)
+
+    def _move_aside_unloadable(self) -> None:
+        """Collective, after an auto-resume that loaded a checkpoint or started fresh: rank 0, if
+        it owns the root, moves what it stepped over to ``.damaged/``; every rank then takes rank
+        0's view. Failure to move only warns: the steps stay out of the order check
+        (``_unloadable``) and are moved when this manager takes the root."""
+        if self._parts.is_leader:
+            self._quarantine()
+        self._share_view(self._parts.control, what="the checkpoints after a restore")
+
+    def _quarantine(self) -> None:
+        """Rank 0: move every noted unloadable commit aside, if this manager owns the root."""
+        owner = self._ownership
+        if not self._unloadable or owner is None or not owner.claimed or self._lock is None:
+            return
+        if not owner.still_ours():
+            return
+        moved = []
+        for step, (directory, record, reason) in sorted(self._unloadable.items()):
+            try:
+                move_aside(self._layout, self._lock, self._ops, directory, record, reason)
+            except (OSError, CheckpointError) as e:
+                logger.warning(
+                    "safeckpt: could not move the unloadable step %d aside (%s); it stays where it is, "
+                    "is never loaded by this job, and does not block its saves",
+                    step,
+                    e,
+                )
+                continue
+            moved.append(step)
+        for step in moved:
+            del self._unloadable[step]
+        self._view.drop_unloadable(moved)
+
+
+def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
+    return IncompleteCheckpointError(
+        f"no checkpoint in {root} can be loaded: step(s) {', '.join(map(str, steps))} failed while "
+        "being read (the warnings above say why), after filling part of the state in place, and no "
+        "older commit loads. The state is not fresh: it holds part of a damaged checkpoint. Build it "
+        "anew; to start from step 0, move the damaged step directories out of the root "
+        "(`safeckpt verify` lists them).",
+        path=str(root),
+        step=steps[0],
+    )
+
+
+def _attempt(fn: Any, directory: Path, record: Record, *args: Any) -> BaseException | None:
+    try:
+        fn(directory, record, *args)
+    except _WRITE_ERRORS as e:
+        return as_read_error(e, directory, record)
+    return None

@@ -1,0 +1,1 @@
+"""Telling a registry about commits, off the commit path."""

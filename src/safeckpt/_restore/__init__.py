@@ -1,0 +1,1 @@
+"""Choosing the checkpoint to load and loading it (into a template, or without one)."""

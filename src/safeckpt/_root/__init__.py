@@ -1,0 +1,1 @@
+"""One root outside a save: one writer (ownership), start-up recovery, removal, moving damage aside, gc."""

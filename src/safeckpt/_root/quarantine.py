@@ -1,0 +1,73 @@
+"""Moving a checkpoint that auto-resume found unloadable out of the run's way, kept for inspection.
+
+A committed checkpoint whose bytes do not match its record would otherwise
+stay the newest step: every restart would step over it again, and the next
+``save()`` of an earlier step would be refused as going back. So the root's
+owner moves it to ``.damaged/step_<N>.<token>`` with a ``damaged.json`` note
+(why, when, which commit). From there it is never loaded, never pruned, shown
+by ``safeckpt ls`` and removed by ``safeckpt gc``. ``latest`` is repaired to
+the newest commit left (or removed when none is left).
+
+Only the owner of the root moves anything (readers never change a root), under
+the sidecar lock, and only if the directory still holds the very commit that
+failed: a re-save that replaced it meanwhile is not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from .._format.catalog import scan
+from .._format.identity import Fate, fate_of
+from .._format.layout import DAMAGED_NOTE, Layout
+from .._format.record import Record
+from .._fs.atomic import atomic_write
+from .._fs.fileops import FileOps
+from .._fs.lock import SidecarLock
+from .startup import repair_latest
+
+logger = logging.getLogger(__name__)
+
+
+def move_aside(
+    layout: Layout, lock: SidecarLock, ops: FileOps, directory: Path, record: Record, reason: str
+) -> Path | None:
+    """Move the damaged checkpoint at ``directory`` into ``.damaged/``; where it went, or None when
+    the directory no longer holds the commit ``record`` describes (nothing is moved then)."""
+    with lock:
+        if fate_of(directory, record) is not Fate.SAME:
+            return None
+        layout.check_private_dirs()
+        os.makedirs(layout.damaged, exist_ok=True)
+        target = layout.new_damaged_path(record.step)
+        ops.replace(directory, target)
+        ops.fsync_dir(directory.parent)
+        ops.fsync_dir(layout.damaged)
+        note = {"step": record.step, "seq": record.seq, "time": time.time(), "reason": reason}
+        with contextlib.suppress(OSError):  # the move is what matters; the note only explains it
+            atomic_write(target / DAMAGED_NOTE, (json.dumps(note, indent=2) + "\n").encode(), ops)
+        _point_latest_at_newest(layout, lock, ops)
+    logger.warning(
+        "safeckpt: moved the unloadable step %d aside to %s: it is never loaded and no longer counts "
+        "as the newest step. Inspect it there, or remove it with `safeckpt gc %s`.",
+        record.step,
+        target,
+        layout.root,
+    )
+    return target
+
+
+def _point_latest_at_newest(layout: Layout, lock: SidecarLock, ops: FileOps) -> None:
+    catalog = scan(layout.root)
+    if catalog.latest_step is not None:
+        repair_latest(catalog, lock, ops)
+        return
+    if catalog.latest_name is not None:  # it named the step moved aside, the last one there was
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(layout.latest_path)
+        ops.fsync_dir(layout.root)

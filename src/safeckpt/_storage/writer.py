@@ -1,0 +1,190 @@
+"""DCP storage that moves tensor bytes once, in the format plain ``dcp.load`` reads.
+
+DCP's ``FileSystemWriter`` writes every tensor with ``torch.save`` into the
+rank's ``.distcp`` file: a small zip archive whose CRC32 miniz computes at about
+1 GB/s, more CPU time than writing the bytes. Its ``FileSystemReader`` then
+``torch.load``\\ s each archive into a fresh tensor through small buffered reads
+and copies that into the destination: two copies of every byte.
+
+:class:`RawFileSystemWriter` writes the same archives (``data.pkl`` pickled by
+torch's own ``torch.serialization._save``, records 64-byte aligned, the version
+and serialization-id records ``torch.save`` writes) straight from the tensor's
+memory, with the CRC32 from zlib-ng computed a chunk at a time just before the
+chunk is written, while it is in cache. Archives of a layout seen before are
+written from a template of the first (:class:`~safeckpt._storage.torchsave.zipformat._Template`),
+and the file goes to disk through :class:`~safeckpt._fs.direct_write.DirectFileWriter`
+(aligned buffers, ``O_DIRECT`` where the filesystem takes it). Reading them
+back is :class:`~safeckpt._storage.reader.RawFileSystemReader`'s (also importable
+from here).
+
+Whatever this module cannot do the fast way (stream transforms, the safetensors
+format, a tensor of 4 GiB or more, a torch whose private serialization helpers
+changed) it hands back to DCP's own code, so the on-disk format never depends
+on which path ran. Checked against torch 2.13; every private helper it uses is
+looked up defensively.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .._format.checksums import FileChecksum
+from .._format.layout import DATA_SUFFIX
+from .._fs.direct_write import DirectFileWriter
+from .prefetch import prefetch
+from .reader import RawFileSystemReader
+from .torchsave.writer import _ArchiveWriter, _StorageInfo, _StoragePrefix, raw_path_available
+from .torchsave.zipformat import _ChecksummedStream
+
+logger = logging.getLogger(__name__)
+
+
+__all__ = ["RawFileSystemReader", "RawFileSystemWriter", "prefetch", "raw_path_available"]
+
+_ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # larger archives need zip64 entries: left to torch.save
+
+# --- writing -------------------------------------------------------------------------------
+
+
+class RawFileSystemWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` that writes tensors without ``torch.save``'s slow CRC (same files).
+
+    Same arguments and call order as ``FileSystemWriter`` (``write_data`` on
+    every rank, ``finish`` on the coordinator). Files are fsynced when
+    ``sync_files`` is set; ``.metadata`` is written by DCP's own ``finish``.
+
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checksums: dict[str, FileChecksum] = {}
+        """CRC32 segments of each file this rank wrote (one per item), for the record."""
+        self._checksums_lock = threading.Lock()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not self._fast_path_usable():
+            return super().write_data(plan, planner)
+        prefix = plan.storage_data.prefix
+        if self.single_file_per_rank:
+            buckets = _split(plan.items, max(1, self.thread_count))
+        else:
+            buckets = [[item] for item in plan.items]
+        jobs: queue.Queue[tuple[str, list[WriteItem]]] = queue.Queue()
+        for i, bucket in enumerate(buckets):
+            jobs.put((f"{prefix}{i}{DATA_SUFFIX}", bucket))
+        results: list[WriteResult] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                try:
+                    file_name, items = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    written = self._write_file(file_name, items, planner)
+                except BaseException as e:
+                    with lock:
+                        errors.append(e)
+                    return
+                with lock:
+                    results.extend(written)
+
+        _run_threads(work, min(max(1, self.thread_count), len(buckets)))
+        if errors:
+            raise errors[0]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _fast_path_usable(self) -> bool:
+        if not raw_path_available() or _StoragePrefix is None:
+            return False
+        if getattr(getattr(self, "transforms", None), "extensions", ()):
+            return False
+        fmt = getattr(self, "serialization_format", None)
+        return fmt is None or getattr(fmt, "value", fmt) == "torch_save"
+
+    def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        path = self.fs.concat_path(self.path, file_name)
+        results = []
+        with DirectFileWriter(path) as stream:
+            archives = _ArchiveWriter()
+            checked = _ChecksummedStream(stream)
+            # Byte items first, then tensors, as DCP orders them.
+            for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+                results.append(_write_item(checked, file_name, item, planner.resolve_data(item), archives))
+                checked.cut()
+            checked.flush()
+            stream.close(fsync=self.sync_files)
+        with self._checksums_lock:
+            self.checksums[file_name] = checked.recorder.result()
+        return results
+
+
+def _write_item(
+    stream: IO[bytes], file_name: str, item: WriteItem, data: Any, archives: _ArchiveWriter
+) -> WriteResult:
+    offset = stream.tell()
+    if item.type == WriteItemType.BYTE_IO:
+        stream.write(data.getbuffer())
+    else:
+        tensor = data.detach().cpu()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # as DCP does: never save the rest of a larger storage
+        if tensor.nbytes >= _ZIP32_LIMIT:
+            torch.save(tensor, stream)
+        else:
+            archives.write(stream, tensor)
+    length = stream.tell() - offset
+    assert _StorageInfo is not None
+    return WriteResult(
+        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length)
+    )
+
+
+def _split(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Byte items round-robin, tensors largest-first into the lightest bin (as DCP splits them)."""
+    if bins == 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in sorted(tensor_items, key=_item_size, reverse=True):
+        lightest = sizes.index(min(sizes))
+        buckets[lightest].append(item)
+        sizes[lightest] += _item_size(item)
+    return [b for b in buckets if b]
+
+
+def _item_size(item: WriteItem) -> int:
+    assert item.tensor_data is not None
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
+
+
+def _run_threads(work: Callable[[], None], n: int) -> None:
+    threads = [threading.Thread(target=work, name=f"safeckpt-dcp-write-{i}") for i in range(1, n)]
+    for t in threads:
+        t.start()
+    try:
+        work()
+    finally:
+        for t in threads:
+            t.join()

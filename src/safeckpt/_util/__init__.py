@@ -1,0 +1,1 @@
+"""Process helpers with no checkpoint knowledge: argument checks, pausing the garbage collector."""
