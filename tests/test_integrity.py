@@ -27,9 +27,9 @@ from safeckpt import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
     UnsupportedStateError,
-    dcp_io,
     read_record,
 )
+from safeckpt._dcp import io as dcp_io
 from safeckpt._format.catalog import scan
 from safeckpt._format.checksums import FileChecksum, combine, crc32
 from safeckpt._fs.atomic import read_pointer
