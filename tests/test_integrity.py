@@ -467,9 +467,9 @@ def _rewrite_train_state(step_dir: Path, change: Any) -> None:
     path = step_dir / "train_state.rank0.safetensors"
     blob = path.read_bytes()
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    document = json.loads(header["__metadata__"]["safeckpt._state.train_state"])
+    document = json.loads(header["__metadata__"]["safeckpt.train_state"])
     change(document)
-    data = st_save(st_load(blob), metadata={"safeckpt._state.train_state": json.dumps(document)})
+    data = st_save(st_load(blob), metadata={"safeckpt.train_state": json.dumps(document)})
     path.write_bytes(data)
     record = json.loads((step_dir / "metadata.json").read_text())
     record["files"][path.name] = len(data)
@@ -529,7 +529,7 @@ def test_a_newer_train_state_format_is_refused_by_name_and_never_skipped(root: P
 def test_a_small_file_read_that_meets_a_replacement_elsewhere_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: int
 ) -> None:
-    from safeckpt._format import checksums as integrity
+    from safeckpt._fs import safe_open as integrity
 
     path = tmp_path / "metadata.json"
     path.write_bytes(b"{}")

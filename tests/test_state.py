@@ -358,7 +358,7 @@ def test_an_async_save_snapshots_nested_tensors_and_values_at_save_time(root: Pa
 def _document(path: Path) -> dict[str, Any]:
     blob = path.read_bytes()
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    return json.loads(header["__metadata__"]["safeckpt._state.train_state"])
+    return json.loads(header["__metadata__"]["safeckpt.train_state"])
 
 
 def test_the_file_records_the_structure_and_json_values_only(root: Path) -> None:
@@ -374,7 +374,7 @@ def test_the_file_records_the_structure_and_json_values_only(root: Path) -> None
 def _blob(document: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
-    return save({"t0": torch.ones(1)}, metadata={"safeckpt._state.train_state": json.dumps(document)})
+    return save({"t0": torch.ones(1)}, metadata={"safeckpt.train_state": json.dumps(document)})
 
 
 DAMAGED = [

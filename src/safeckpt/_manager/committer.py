@@ -49,7 +49,7 @@ from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementEr
 from .background import COMMITTED, FAILED, StagingPool
 from .saves import Committed, SaveJob, SaveView
 
-logger = logging.getLogger("safeckpt._manager.manager")
+logger = logging.getLogger("safeckpt.manager")
 
 _WRITE_ERRORS = (Exception, CheckpointException)
 

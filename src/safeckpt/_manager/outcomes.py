@@ -15,7 +15,7 @@ from .._dist.participants import portable as _portable
 from ..errors import CheckpointError, RankAgreementError, SaveFailedError
 from .saves import SaveView
 
-logger = logging.getLogger("safeckpt._manager.manager")
+logger = logging.getLogger("safeckpt.manager")
 
 
 class Outcomes:

@@ -43,7 +43,7 @@ from .._util.validate import validate_or_none
 from ..errors import CheckpointError, IncompleteCheckpointError
 from .saves import SaveView
 
-logger = logging.getLogger("safeckpt._manager.manager")
+logger = logging.getLogger("safeckpt.manager")
 
 _WRITE_ERRORS = (Exception, CheckpointException)
 

@@ -23,7 +23,7 @@ from .._root.startup import take_root
 from ..errors import ConfigError, RootNotWritableError
 from .saves import Committed, SaveView
 
-logger = logging.getLogger("safeckpt._manager.manager")
+logger = logging.getLogger("safeckpt.manager")
 
 
 class OpenPath:

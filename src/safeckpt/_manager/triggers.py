@@ -19,7 +19,7 @@ from .._policy.schedule import SaveSchedule
 from .._util.validate import validate_step
 from .preemption import PreemptionHandlers, signal_name
 
-logger = logging.getLogger("safeckpt._manager.manager")
+logger = logging.getLogger("safeckpt.manager")
 
 __all__ = ["SaveTriggers"]
 

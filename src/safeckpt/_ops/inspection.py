@@ -150,7 +150,7 @@ def train_state_summary(checkpoint_dir: Path) -> dict[str, Any]:
     for path in sorted(checkpoint_dir.glob("train_state.rank*.safetensors")):
         header = _safetensors_header(path)
         try:
-            document = json.loads(header["__metadata__"]["safeckpt._state.train_state"])
+            document = json.loads(header["__metadata__"]["safeckpt.train_state"])
             if not isinstance(document, dict):
                 raise TypeError("not a JSON object")
             if "tree" in document:

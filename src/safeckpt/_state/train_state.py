@@ -46,7 +46,7 @@ TRAIN_STATE_FORMAT = 2
 # took those for damage; a format number it does not know makes it name another version instead.
 PER_RANK_FORMAT = 3
 READABLE_FORMATS = (1, TRAIN_STATE_FORMAT, PER_RANK_FORMAT)
-_METADATA_KEY = "safeckpt._state.train_state"
+_METADATA_KEY = "safeckpt.train_state"
 RNG_KEY = "rng"
 _RANK_FILE = re.compile(r"train_state\.rank(\d+)\.safetensors")
 
