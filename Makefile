@@ -32,6 +32,7 @@ demo: setup
 
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-slow: setup system-deps
@@ -39,6 +40,7 @@ test-slow: setup system-deps
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PIP) install -q -c constraints/ci.txt -e '.[test,bench]'
