@@ -42,8 +42,8 @@ from safeckpt import CheckpointManager, Retention
 # (module, owner or None for a module function, function, label): outer steps first. The reader
 # is named through safeckpt._storage.writer, which re-exports it: checkouts from before raw_reader.py work.
 PHASES = [
-    ("safeckpt._manager.manager", "CheckpointManager", "_choose", "choosing the checkpoint (records)"),
-    ("safeckpt._restore.choose", None, "read_tree", "reading the training state (tree)"),
+    ("safeckpt._manager.resumer", "Resumer", "_choose", "choosing the checkpoint (records)"),
+    ("safeckpt._restore.load_into", None, "read_tree", "reading the training state (tree)"),
     ("safeckpt._restore.load_plan", "LoadPlan", "mapping", "matching the tree and the state"),
     ("safeckpt._dcp.io", None, "load_flat", "loading the tensors, in all"),
     ("safeckpt._dcp.io", None, "_whole_tensor_plan", "  the whole-tensor plan (read items)"),
@@ -73,7 +73,8 @@ def time_phases() -> dict[str, float]:
             continue  # a checkout from before this step existed
         timed = wrap(owner, name, label, spent)
         if owner_name is None:  # imported by name elsewhere: wrap it there too
-            for other in ("safeckpt._restore.choose", "safeckpt._manager.manager"):
+            users = ("safeckpt._restore.load_into", "safeckpt._restore.load", "safeckpt._manager.resumer")
+            for other in users:
                 user = importlib.import_module(other)
                 if getattr(user, name, None) is original:
                     setattr(user, name, timed)

@@ -47,7 +47,7 @@ PHASES = [
     ("safeckpt._storage.writer", "RawFileSystemWriter", "_write_file", "  writing the data file, fsync"),
     ("safeckpt._storage.writer", None, "_write_item", "    the archives (Python per tensor)"),
     ("torch.distributed.checkpoint.filesystem", "_FileSystemWriter", "finish", "  .metadata (pickle, fsync)"),
-    ("safeckpt._manager.committer", "CommitPath", "_commit", "the commit (record, rename, fsyncs)"),
+    ("safeckpt._manager.committer", "Committer", "_commit", "the commit (record, rename, fsyncs)"),
 ]
 
 

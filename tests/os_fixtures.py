@@ -101,9 +101,7 @@ def fill(directory: Path) -> None:
 @pytest.fixture
 def run_unprivileged() -> Callable[..., subprocess.CompletedProcess[str]]:
     setpriv = shutil.which("setpriv")
-    _require(
-        "needs root and setpriv (util-linux)" if os.geteuid() != 0 or setpriv is None else None
-    )
+    _require("needs root and setpriv (util-linux)" if os.geteuid() != 0 or setpriv is None else None)
 
     def run(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         dropped = "-dac_override,-dac_read_search"

@@ -147,9 +147,7 @@ def test_a_damaged_sole_checkpoint_is_a_fresh_start_that_can_save(root: Path) ->
     assert steps_on_disk(root) == [1] and [p.name[:7] for p in scan(root).damaged] == ["step_7."]
 
 
-def test_a_reader_moves_nothing_and_its_first_save_moves_the_damage_aside(
-    root: Path, tmp_path: Path
-) -> None:
+def test_a_reader_moves_nothing_and_its_first_save_moves_the_damage_aside(root: Path, tmp_path: Path) -> None:
     save_steps(root, (1, 2))
     flip(shard_of(root, 2))
     with CheckpointManager(root, read_only=True) as reader:  # never changes the root

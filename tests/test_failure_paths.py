@@ -235,9 +235,7 @@ def read_only_view(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     if done.returncode != 0:
         pytest.skip(f"cannot bind-mount here (needs root and mount rights): {done.stderr.strip()}")
     try:
-        done = subprocess.run(
-            ["mount", "-o", "remount,bind,ro", str(view)], capture_output=True, text=True
-        )
+        done = subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot remount read-only here: {done.stderr.strip()}")
         yield source, view

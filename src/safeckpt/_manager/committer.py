@@ -1,7 +1,6 @@
 """The life of one save after ``save()`` hands it over: write, agree, commit, then bookkeeping.
 
-Runs on the writer thread (inline in sync mode), as the writer half of
-:class:`~safeckpt._manager.manager.CheckpointManager`. The protocol (``docs/format.md``):
+Runs on the writer thread (inline in sync mode). The protocol (``docs/format.md``):
 
 1. every rank writes its DCP shards and its train-state file into
    ``.staging/step_<N>.<token>/``, each file fsynced, and checksums them as it writes;
@@ -39,7 +38,7 @@ from .._format.record import Record, list_files, read_record, write_record
 from .._fs.atomic import replace_dir, swap_pointer
 from .._fs.fileops import FileOps
 from .._fs.lock import SidecarLock
-from .._policy.retention import Policy, Retention, explain, retention_json
+from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .._state.replicas import diverging, fingerprints
@@ -47,34 +46,67 @@ from .._state.walk import nest_for_dcp, train_state_filename
 from .._version import __version__
 from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementError, SaveFailedError
 from .background import COMMITTED, FAILED, StagingPool
+from .outcomes import Outcomes
 from .saves import Committed, SaveJob, SaveView
+from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
 
 _WRITE_ERRORS = (Exception, CheckpointException)
 
 
-class CommitPath:
-    """The writer half of a manager: what happens to a save after ``save()`` returns."""
+class Committer:
+    """What happens to a save after ``save()`` returns: write, agree, commit, prune, register.
 
-    root: Path
-    retention: Retention | Policy
-    _parts: Participants
-    _plans: SavePlans
-    _layout: Layout
-    _ops: FileOps
-    _view: SaveView
-    _pool: StagingPool | None
-    _policy: Policy
-    _lock: SidecarLock | None
-    _deleter: Deleter | None
-    _registration: RegistrationWorker | None
-    registration_timeout: float
-    _warned_diverging: set[str]  # keys warned about (safeckpt._state.replicas), once each
-    _held_for_registration: set[int]  # steps retention drops, kept while they register
-    _warned_narrower: set[int]  # steps warned about as kept by an earlier run's retention
+    Call rules: ``persist`` runs on the writer thread (inline for a sync save),
+    one job at a time, on every rank in the same order (it is collective over
+    the writer group). ``prune``, ``close_registration`` and ``prune_held_back``
+    are rank 0's and run while no job is being persisted (from the writer
+    thread, or from ``pin``/``close()`` after the writer is idle).
+    """
 
-    def _persist(self, job: SaveJob) -> None:
+    def __init__(
+        self,
+        root: Path,
+        retention: Retention | Policy,
+        *,
+        parts: Participants,
+        plans: SavePlans,
+        layout: Layout,
+        ops: FileOps,
+        view: SaveView,
+        pool: StagingPool | None,
+        session: RootSession,
+        outcomes: Outcomes,
+        registration: RegistrationWorker | None,
+        registration_timeout: float,
+    ) -> None:
+        self.root = root
+        self.retention = retention
+        self.policy = with_pinned(retention)
+        self._parts = parts
+        self._plans = plans
+        self._layout = layout
+        self._ops = ops
+        self._view = view
+        self._pool = pool
+        self._session = session
+        self._outcomes = outcomes
+        self._registration = registration
+        self.registration_timeout = registration_timeout
+        self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
+        self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
+        self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
+
+    @property
+    def _lock(self) -> SidecarLock | None:
+        return self._session.lock
+
+    @property
+    def _deleter(self) -> Deleter | None:
+        return self._session.deleter
+
+    def persist(self, job: SaveJob) -> None:
         """Write, agree, commit and prune one save. Runs on the writer thread (or inline).
 
         One boundary: whatever is raised, the job ends in the view in exactly one
@@ -123,7 +155,7 @@ class CommitPath:
             " ..." if len(found) > 10 else "",
         )
 
-    def _crashed(self, job: SaveJob, error: BaseException) -> None:
+    def crashed(self, job: SaveJob, error: BaseException) -> None:
         self._view.finish(job, FAILED, _as_checkpoint_error(error, job.step))
 
     def _write_and_commit(self, job: SaveJob) -> None:
@@ -186,22 +218,12 @@ class CommitPath:
         if parts.is_leader:
             try:  # bookkeeping after a commit never fails it (it is retried at the next one)
                 self._register(job.step)
-                self._prune()
+                self.prune()
             except Exception as e:
                 logger.warning(
                     "safeckpt: after committing step %d: %s; retried at the next commit", job.step, e
                 )
-        self._share_view(parts.writer, what=f"the checkpoints after step {job.step}")
-
-    def _share_view(self, group: Any, *, what: str) -> None:
-        """Collective: every rank's view of committed checkpoints becomes rank 0's, so queries
-        (``latest_step``, ``checkpoints()``) answer the same on every rank without a collective."""
-        if not self._parts.distributed:
-            return
-        mine = self._view.snapshot() if self._parts.is_leader else None
-        snapshot = self._parts.broadcast(mine, group, what=what)
-        if not self._parts.is_leader:
-            self._view.load_snapshot(snapshot)
+        self._outcomes.share_view(parts.writer, what=f"the checkpoints after step {job.step}")
 
     def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
         parts = self._parts
@@ -305,10 +327,10 @@ class CommitPath:
         if entry is None:
             return
         self._registration.submit(
-            CommitInfo(step, entry.path, entry.record, self.root, is_best=self._is_best(step))
+            CommitInfo(step, entry.path, entry.record, self.root, is_best=self.is_best(step))
         )
 
-    def _close_registration(self) -> None:
+    def close_registration(self) -> None:
         """Offer the final checkpoint, then wait at most ``registration_timeout``. Never raises.
 
         Only a manager that committed something offers one: a reader registers nothing.
@@ -322,19 +344,19 @@ class CommitPath:
             if entry is not None and worker.saw_commit:
                 worker.submit(
                     CommitInfo(
-                        latest, entry.path, entry.record, self.root, is_best=self._is_best(latest), final=True
+                        latest, entry.path, entry.record, self.root, is_best=self.is_best(latest), final=True
                     )
                 )
         except Exception as e:
             logger.warning("safeckpt: could not offer the final checkpoint for registration: %s", e)
         worker.close(self.registration_timeout)
 
-    def _is_best(self, step: int) -> bool:
+    def is_best(self, step: int) -> bool:
         """Whether ``step`` is the best committed checkpoint by retention's keep_best metric."""
         committed = [s for s in self._view.statuses(self.retention) if s.status == COMMITTED]
         return is_best(step, committed, self.retention)
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         """Rank 0: move committed checkpoints that retention drops into the trash.
 
         Never the one ``latest`` names, one with a save in flight, one pinned
@@ -345,9 +367,9 @@ class CommitPath:
         assert self._lock is not None
         self._refresh_pins()
         registering = self._registration.pending_steps() if self._registration is not None else frozenset()
-        drop = self._view.prune_plan(self._policy, held=registering)
+        drop = self._view.prune_plan(self.policy, held=registering)
         if registering:
-            held = self._view.prune_plan(self._policy) - drop
+            held = self._view.prune_plan(self.policy) - drop
             if held - self._held_for_registration:
                 logger.info(
                     "safeckpt: keeping step(s) %s until their registration ends",
@@ -391,17 +413,17 @@ class CommitPath:
             "safeckpt: this run's retention (%s) is narrower than the one that wrote this root's earlier "
             "checkpoints (%s): it now removes %s, which that retention kept. Pass the earlier rules "
             "(or pin these steps: `safeckpt pin ROOT STEP`) to keep them.",
-            self._policy.reason(),
+            self.policy.reason(),
             rules.policy().reason(),
             "; ".join(f"step {s} ({', '.join(why)})" for s, why in lost.items()),
         )
 
-    def _prune_held_back(self) -> None:
+    def prune_held_back(self) -> None:
         """Rank 0 at ``close()``, after the registrations ended: prune what they held back."""
         if not self._held_for_registration or self._deleter is None:
             return
         try:
-            self._prune()
+            self.prune()
         except Exception as e:  # pruning never fails the job
             logger.warning("safeckpt: pruning after the registrations ended failed: %s", e)
 

@@ -1,16 +1,16 @@
-"""CheckpointManager: the one stateful coordinator, kept thin.
+"""CheckpointManager: the public API of a training run's checkpoints, and its wiring.
 
-It owns one view of every save (queued, writing, committed, cancelled), and
-both the writer and retention act on that view: a removal is a decision about
-it, never a blind ``rm`` of a path. Rank 0 alone writes records, moves
+The manager composes collaborators, each a class built from what it needs and
+testable alone: the root session (:mod:`.session`: the sidecar lock, ownership,
+the deleter), the saver (:mod:`.saver`: ``save()`` up to the hand-over), the
+committer (:mod:`.committer`: write, agree, commit, prune, register), the
+resumer (:mod:`.resumer`: ``restore()``), triggers (:mod:`.triggers`:
+``should_save()``), pins (:mod:`.pins`) and outcomes (:mod:`.outcomes`: every
+collective call's agreement, and one view of the checkpoints on every rank).
+They share one view of every save (:mod:`.saves`: queued, writing, committed,
+cancelled), which the writer and retention both act on: a removal is a decision
+about it, never a blind ``rm`` of a path. Rank 0 alone writes records, moves
 ``latest`` and prunes; every rank writes its own shards.
-
-The manager is the public API and its wiring; each part of the work lives in
-its own module: opening a root (:mod:`safeckpt._manager.session`), the life of a save
-after ``save()`` (:mod:`safeckpt._manager.committer`, with the commit protocol), resuming
-and ``restore()`` (:mod:`safeckpt._manager.resumer`), ``should_save()``
-(:mod:`safeckpt._manager.triggers`), pins (:mod:`safeckpt._manager.pins`) and agreement on
-outcomes (:mod:`safeckpt._manager.outcomes`).
 """
 
 from __future__ import annotations
@@ -19,48 +19,29 @@ import atexit
 import logging
 import os
 import threading
-import time
-import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
-from .._format.layout import Layout
-from .._format.record import check_json_value, clean_metrics
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
-from .._fs.lock import SidecarLock
-from .._policy.retention import Policy, Retention, is_policy, with_pinned
+from .._policy.retention import Policy, Retention, is_policy
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
-from .._registration.worker import RegistrationWorker
-from .._root.ownership import Ownership
-from .._root.removal import Deleter
-from .._state.walk import StateCache, capture
-from .._util.gc_pause import collector_paused
-from .._util.validate import int_or_none, positive_int, positive_seconds, seconds, validate_step
-from ..errors import CheckpointError, ConfigError, InvalidSaveError, ManagerClosedError, SaveFailedError
-from .background import BackgroundWriter, StagingPool
-from .committer import CommitPath
-from .outcomes import Outcomes, _taken_anyway
-from .pins import Pins
+from .._restore.restored import Restored
+from .._util.validate import positive_int, positive_seconds, seconds
+from ..errors import ConfigError, ManagerClosedError
 from .preemption import PreemptionHandlers
-from .resumer import ResumePath
-from .saves import CheckpointStatus, SaveJob, SaveView
-from .session import OpenPath
-from .triggers import SaveTriggers
+from .saves import CheckpointStatus
+from .wiring import wire
 
 logger = logging.getLogger(__name__)
 
-_WRITE_ERRORS = (Exception, CheckpointException)
 
-
-class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Outcomes):
+class CheckpointManager:
     """Saves, keeps, prunes and restores the checkpoints of one training run.
 
     Args:
@@ -147,56 +128,38 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         self.drain_timeout = drain_timeout
         self.registrar = registrar
         self.registration_timeout = positive_seconds("registration_timeout", registration_timeout)
-        self._registration: RegistrationWorker | None = None
-        self._policy = with_pinned(self.retention)
         self.schedule = schedule
-        self._last_save = time.monotonic()
-        self._preempted_by: int | None = None
-        self._ops = file_ops or DEFAULT_FILE_OPS
-        self._layout = Layout(self.root)
-        # process_group: the ranks that checkpoint together (one pipeline stage, say); None: all.
-        self._parts = Participants.create(timeout=timeout, group=process_group)
-        self._state_cache = StateCache()  # the state's structure, reused while it stays the same
-        self._plans = SavePlans()  # DCP's plans of this manager's saves, reused while they stay the same
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
-
-        self._view = SaveView()
-        # Rank 0: commits auto-resume stepped over as damaged and has not moved aside yet (step ->
-        # directory, record, why); they do not count as the newest step for the order check.
-        self._unloadable: dict[int, tuple[Path, Any, str]] = {}
-        self._seq = 0
-        self._warned_diverging: set[str] = set()
-        self._held_for_registration: set[int] = set()
-        self._warned_narrower: set[int] = set()
-
-        self._lock: SidecarLock | None = None
-        self._ownership: Ownership | None = None
-        self._deleter: Deleter | None = None
-        self._lock_timeout = lock_timeout
-        error: BaseException | None = None
-        if self._parts.is_leader:
-            try:
-                self._open_root(lock_timeout, retry_interval)
-            except BaseException as e:
-                error = e
-        if error is None and self._parts.is_leader and registrar is not None and not self.read_only:
-            assert self._lock is not None
-            self._registration = RegistrationWorker(
-                registrar, self._lock, self._ops, self.root, timeout=self.registration_timeout
-            )
-        self._parts.agree(error, self._parts.control, what=f"opening {self.root}")
-        self._share_view(self._parts.control, what=f"the checkpoints in {self.root}")
-        self._session = self._parts.broadcast(
-            uuid.uuid4().hex[:6], self._parts.control, what="the save session id"
+        parts = Participants.create(timeout=timeout, group=process_group)
+        w = wire(
+            self.root,
+            parts,
+            ops=file_ops or DEFAULT_FILE_OPS,
+            retention=self.retention,
+            schedule=schedule,
+            signals=signals,
+            async_save=async_save,
+            queue_depth=queue_depth,
+            save_rng=save_rng,
+            read_only=self.read_only,
+            lock_timeout=lock_timeout,
+            retry_interval=retry_interval,
+            registrar=registrar,
+            registration_timeout=self.registration_timeout,
         )
-        self._pool = StagingPool(queue_depth) if async_save else None
-        self._writer = BackgroundWriter(self._persist, on_crash=self._crashed) if async_save else None
+        self._parts, self._view, self._session, self._outcomes = parts, w.view, w.session, w.outcomes
+        self._committer, self._resumer, self._triggers, self._pins = (
+            w.committer,
+            w.resumer,
+            w.triggers,
+            w.pins,
+        )
+        self._saver, self._pool, self._writer = w.saver, w.pool, w.writer
+        self._plans, self._state_cache = w.plans, w.state_cache
         self._atexit = _register_atexit(self)
         self._signals = signals
         self._signals.install()
-
-    # --- opening -------------------------------------------------------------
 
     # --- saving ----------------------------------------------------------------
 
@@ -220,99 +183,15 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         bad arguments, and raises a failed earlier background save here, once.
         """
         with self._api_lock:  # close() from another thread waits for this save, or refuses it
-            self._save(step, state, metrics=metrics, extra=extra, overwrite=overwrite)
-
-    def _save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        metrics: Mapping[str, Any] | None,
-        extra: Mapping[str, Any] | None,
-        overwrite: bool,
-    ) -> None:
-        self._check_open()
-        # Every rank counts every call, also one that fails validation on one rank only:
-        # the sequence number names the staging directory all ranks write into.
-        self._seq += 1
-        self._last_save = time.monotonic()  # SaveSchedule(every_seconds=...) counts from here
-        error: BaseException | None = None
-        job: SaveJob | None = None
-        try:
-            step = validate_step(step)
-            clean = clean_metrics(metrics)
-            check_json_value(dict(extra or {}), "extra")
-            if self._parts.is_leader:
-                self._ensure_writer(f"save(step={step})")
-                self._check_order(step, overwrite)
-            try:
-                with collector_paused():  # thousands of small objects: see safeckpt._util.gc_pause
-                    captured = capture(state, rng=self.save_rng, cache=self._state_cache)
-            except CheckpointError:
-                raise
-            except Exception as e:  # a state_dict() that raised
-                raise SaveFailedError(
-                    f"save(step={step}): reading the state failed ({type(e).__name__}: {e}); nothing "
-                    "was written and earlier checkpoints are untouched.",
-                    step=step,
-                    cause=e,
-                ) from e
-            job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
-            if self._pool is not None:
-                job.slot = self._acquire_slot(step)
-                with collector_paused():
-                    job.dcp_state = job.slot.stage(captured.dcp)
-            else:
-                job.dcp_state = captured.dcp
-        except BaseException as e:
-            error = e
-            if job is not None:
-                job.release_staging(self._pool)
-            if not isinstance(e, Exception):
-                raise
-        what = f"save({int_or_none(step)})"
-        try:
-            earlier = self._conclude(error, what=what, step=int_or_none(step), defer_background=True)
-        except BaseException:
-            if job is not None:
-                job.release_staging(self._pool)
-            raise
-        assert job is not None
-        self._view.add(job)
-        if self._writer is not None:
-            self._writer.submit(job)
-            if self._parts.is_leader:
-                for cancelled in self._view.cancel_out_of_retention(self._policy):
-                    logger.info(
-                        "safeckpt: cancelling queued save of step %d (out of retention)", cancelled.step
-                    )
-        else:
-            with collector_paused():  # a sync save blocks the caller anyway
-                self._persist(job)
-            later = self._conclude(None, what=what, step=step, defer_background=earlier is not None)
-            earlier = earlier or later
-        if earlier is not None:
-            raise _taken_anyway(earlier, job.step, async_save=self._writer is not None)
-
-    def _acquire_slot(self, step: int) -> Any:
-        assert self._pool is not None
-        try:
-            return self._pool.acquire(timeout=self._parts.timeout)
-        except TimeoutError as e:
-            raise SaveFailedError(
-                f"save(step={step}): the previous save has not freed its staging buffers within "
-                f"{self._parts.timeout:g} s (its write is stuck: a hung filesystem?). Nothing of step "
-                f"{step} was written; check the storage, or raise timeout.",
-                step=step,
-                cause=e,
-            ) from e
+            self._check_open()
+            self._saver.save(step, state, metrics=metrics, extra=extra, overwrite=overwrite)
 
     def wait(self) -> None:
         """Block until every queued save is committed (or failed); raise a failure once."""
         self._check_open()
         if self._writer is not None:
             self._writer.wait_idle()
-        self._conclude(None, what="wait()")
+        self._outcomes.conclude(None, what="wait()")
 
     def flush(self) -> None:
         """Like :meth:`wait`: call it before changing the model's structure or device.
@@ -321,6 +200,102 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         allocates staging buffers for the new shapes.
         """
         self.wait()
+
+    # --- restoring -------------------------------------------------------------
+
+    def restore(
+        self,
+        state: MutableMapping[str, Any],
+        *,
+        step: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        strict: bool = True,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> Restored:
+        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
+
+        The :class:`Restored` result carries the step, path, metrics, extra and
+        record; it is falsy (``.step is None``) when there was nothing to restore,
+        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
+
+        With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
+        is committed and complete, else the newest complete one (with a warning);
+        nothing, and ``state`` untouched, when there is none. A checkpoint found
+        damaged is moved aside to ``.damaged/`` by the root's writer, so it never
+        counts as the newest step again. An explicit ``step`` or ``path`` is
+        loaded as is, or raises if it is missing or broken. A checkpoint replaced
+        or pruned while it is read (by the job writing the root) is chosen anew,
+        never reported as damage. Rank 0 decides which checkpoint, and every rank
+        loads that one. ``strict``: every key of ``state`` must be in the
+        checkpoint and vice versa (else the result lists what did not match).
+        ``include``/``exclude``: dotted paths (``"model"``, ``"optim.state"``) to
+        load only, or to leave out (RNG states are then left alone); see
+        ``docs/state.md``.
+        """
+        self._check_open()
+        return self._resumer.restore(
+            state, step=step, path=path, strict=strict, include=include, exclude=exclude
+        )
+
+    def load(self, step: int | None = None) -> dict[Any, Any]:
+        """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
+
+        See :func:`safeckpt.load`. Not collective: each rank that calls it reads
+        the whole checkpoint.
+        """
+        self._check_open()
+        return self._resumer.load(step)
+
+    # --- when to save, and pins --------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step`` (steps completed) now; the same answer on every rank.
+
+        True when the schedule says so, or once after a preemption signal on any
+        rank (then :attr:`preempted` is True: save, and leave the loop). Step
+        rules need no agreement; the ``every_seconds`` clock is rank 0's, and
+        signals count on every rank, which takes one small collective over the
+        manager's control group per call: call it on every rank, once per step.
+        With no schedule and no ``preemption_signals`` it is False for every step,
+        and a warning says so once.
+        """
+        with self._api_lock:  # its collective must not overlap a close() from another thread
+            self._check_open()
+            return self._triggers.should_save(step)
+
+    @property
+    def preempted(self) -> bool:
+        """True once :meth:`should_save` has seen a preemption signal (on any rank); same on every rank."""
+        return self._triggers.preempted
+
+    @property
+    def preemption_signal(self) -> int | None:
+        """The signal that preempted the run (the lowest rank's), or None: exit with ``128 +`` it."""
+        return self._triggers.preemption_signal
+
+    def pin(self, step: int) -> None:
+        """Keep ``step`` whatever retention says (stored in its record). Collective; rank 0 acts."""
+        self._check_open()
+        self._pins.set_pinned(step, True)
+
+    def unpin(self, step: int) -> None:
+        """Let retention decide about ``step`` again. Collective; rank 0 acts."""
+        self._check_open()
+        self._pins.set_pinned(step, False)
+
+    # --- views -----------------------------------------------------------------
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names (rank 0's view), or None."""
+        return self._view.latest
+
+    def checkpoints(self) -> list[CheckpointStatus]:
+        """Committed and in-flight checkpoints, by step, with why each is kept (rank 0)."""
+        return self._view.statuses(self._committer.policy)
+
+    # --- closing -----------------------------------------------------------------
 
     def close(self) -> None:
         """Wait for queued saves, drain the trash, stop the threads. Idempotent.
@@ -348,23 +323,17 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         self._closed = True
         if self._writer is not None:
             attempt(self._writer.close)
-        attempt(self._close_registration)
-        attempt(self._prune_held_back)
+        attempt(self._committer.close_registration)
+        attempt(self._committer.prune_held_back)
         self._plans.forget()
-        if self._deleter is not None:
-            deleter = self._deleter
-            attempt(lambda: deleter.drain(self.drain_timeout))
-            attempt(deleter.close)
-        if self._ownership is not None:
-            attempt(self._ownership.release)
-        if self._lock is not None:
-            attempt(self._lock.close)
+        attempt(lambda: self._session.drain(self.drain_timeout))
+        errors.extend(self._session.release())
         _unregister_atexit(self._atexit)
         # only now, with the last save durable: a second SIGTERM during it only set the flag
         attempt(self._signals.restore)
         error = errors[0] if errors else None
         try:
-            self._conclude(error, what="close()")
+            self._outcomes.conclude(error, what="close()")
         finally:
             # after the last collective on them; a writer still inside DCP (a second Ctrl-C
             # during the join) keeps them until exit
@@ -383,52 +352,12 @@ class CheckpointManager(OpenPath, CommitPath, ResumePath, SaveTriggers, Pins, Ou
         except Exception:
             logger.exception("safeckpt: close() failed while handling another exception")
 
-    # --- the pieces of a save ---------------------------------------------------
-
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError(
                 f"this CheckpointManager for {self.root} is closed; create a new one.",
                 path=str(self.root),
             )
-
-    def _check_order(self, step: int, overwrite: bool) -> None:
-        newest = self._view.newest_step(ignore=self._unloadable)
-        if newest is not None and step < newest and not overwrite:
-            raise InvalidSaveError(
-                f"save(step={step}): step {newest} is already saved in {self.root}, and saving an "
-                f"earlier step would make `latest` go back. If you restarted from an earlier "
-                f"checkpoint on purpose, pass overwrite=True; checkpoints after step {step} are "
-                "then kept until retention removes them. Nothing was written.",
-                step=step,
-                path=str(self.root),
-            )
-
-    def _new_job(
-        self, step: int, train_state: bytes, metrics: dict[str, float | None], extra: dict[str, Any]
-    ) -> SaveJob:
-        token = f"{self._session}{self._seq % 0x1000000:06x}"
-        return SaveJob(
-            seq=self._seq,
-            step=step,
-            staging_dir=self._layout.staging_dir(step, token),
-            dcp_state=None,
-            train_state=train_state,
-            metrics=metrics,
-            extra=extra,
-            time=time.time(),
-        )
-
-    # --- views -----------------------------------------------------------------
-
-    @property
-    def latest_step(self) -> int | None:
-        """The step ``latest`` names (rank 0's view), or None."""
-        return self._view.latest
-
-    def checkpoints(self) -> list[CheckpointStatus]:
-        """Committed and in-flight checkpoints, by step, with why each is kept (rank 0)."""
-        return self._view.statuses(self._policy)
 
     # --- exit ---------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Agreement on the outcome of every collective call (``save``, ``wait``, ``flush``, ``close``,
-``restore``, ``pin``): all ranks succeed, or all raise the same error.
+``restore``, ``pin``): all ranks succeed, or all raise the same error; and one view of the
+committed checkpoints on every rank.
 
 Each rank says which call it is in, so ranks in different calls raise
 :class:`RankAgreementError` naming each one's instead of pairing up. A failed
@@ -9,6 +10,7 @@ background save is raised once, at the next call, on every rank.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .._dist.participants import Participants, agreed_error
 from .._dist.participants import portable as _portable
@@ -19,12 +21,27 @@ logger = logging.getLogger("safeckpt.manager")
 
 
 class Outcomes:
-    """The agreement half of a manager."""
+    """Agreement on each collective call's outcome, and rank 0's view shared with every rank.
 
-    _parts: Participants
-    _view: SaveView
+    Call rules: every method is collective over the group it is given (``conclude``:
+    the control group); every rank calls it in the same order.
+    """
 
-    def _conclude(
+    def __init__(self, parts: Participants, view: SaveView) -> None:
+        self._parts = parts
+        self._view = view
+
+    def share_view(self, group: Any, *, what: str) -> None:
+        """Every rank's view of committed checkpoints becomes rank 0's, so queries
+        (``latest_step``, ``checkpoints()``) answer the same on every rank without a collective."""
+        if not self._parts.distributed:
+            return
+        mine = self._view.snapshot() if self._parts.is_leader else None
+        snapshot = self._parts.broadcast(mine, group, what=what)
+        if not self._parts.is_leader:
+            self._view.load_snapshot(snapshot)
+
+    def conclude(
         self,
         error: BaseException | None,
         *,
@@ -81,7 +98,7 @@ class Outcomes:
         raise agreed_error(errors, what=what, step=step)
 
 
-def _taken_anyway(earlier: CheckpointError, step: int, *, async_save: bool) -> CheckpointError:
+def taken_anyway(earlier: CheckpointError, step: int, *, async_save: bool) -> CheckpointError:
     """An earlier background failure, raised at ``save(step)`` after that save was taken."""
     fate = "is being written in the background" if async_save else "was committed"
     text = (

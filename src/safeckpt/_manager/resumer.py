@@ -1,6 +1,6 @@
 """Resuming on every rank: rank 0 chooses, every rank checks its own files, all load or fall back.
 
-The restore half of :class:`~safeckpt._manager.manager.CheckpointManager`: auto-resume
+The restore half of :class:`~safeckpt.CheckpointManager`: auto-resume
 takes the newest commit that every rank can load, stepping over a damaged one
 on every rank together; an explicit step raises the same error on every rank.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,6 @@ from .._dist.participants import portable as _portable
 from .._format.identity import Fate, fate_of
 from .._format.layout import Layout
 from .._format.record import Record
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
 from .._restore.choose import (
     REREADS,
     as_read_error,
@@ -36,12 +34,12 @@ from .._restore.choose import (
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
 from .._restore.restored import Restored
-from .._root.ownership import Ownership
-from .._root.quarantine import move_aside
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
-from ..errors import CheckpointError, IncompleteCheckpointError
-from .saves import SaveView
+from ..errors import IncompleteCheckpointError
+from .damaged import DamagedCommits
+from .outcomes import Outcomes
+from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
 
@@ -54,21 +52,31 @@ _SKIP = "skip"  # damaged: auto-resume falls back past it
 _AGAIN = "again"  # replaced or removed under this reader: choose again
 
 
-class ResumePath:
-    """The restore half of a manager: which checkpoint every rank loads, and loading it."""
+class Resumer:
+    """Which checkpoint every rank loads, and loading it (``restore``), or one without a template.
 
-    root: Path
-    save_rng: bool
-    _parts: Participants
-    _layout: Layout
-    _view: SaveView
-    _lock: SidecarLock | None
-    _ownership: Ownership | None
-    _ops: FileOps
-    _unloadable: dict[int, tuple[Path, Record, str]]
-    _check_open: Callable[[], None]
-    _conclude: Callable[..., Any]
-    _share_view: Callable[..., None]
+    Call rules: ``restore`` is collective over the control group (every rank,
+    same order as the manager's other collective calls).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        parts: Participants,
+        layout: Layout,
+        session: RootSession,
+        damaged: DamagedCommits,
+        outcomes: Outcomes,
+        save_rng: bool,
+    ) -> None:
+        self.root = root
+        self.save_rng = save_rng
+        self._parts = parts
+        self._layout = layout
+        self._session = session
+        self._damaged = damaged
+        self._outcomes = outcomes
 
     @collector_paused()  # the record's and the plan's objects too, not only DCP's (see _util.gc_pause)
     @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
@@ -82,27 +90,7 @@ class ResumePath:
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
     ) -> Restored:
-        """Load a checkpoint into ``state`` in place; return what was loaded, the same on every rank.
-
-        The :class:`Restored` result carries the step, path, metrics, extra and
-        record; it is falsy (``.step is None``) when there was nothing to restore,
-        so ``start = (r := mgr.restore(state)).step or 0`` starts a loop.
-
-        With neither ``step`` nor ``path``: the checkpoint ``latest`` names if it
-        is committed and complete, else the newest complete one (with a warning);
-        nothing, and ``state`` untouched, when there is none. A checkpoint found
-        damaged is moved aside to ``.damaged/`` by the root's writer, so it never
-        counts as the newest step again. An explicit ``step`` or ``path`` is
-        loaded as is, or raises if it is missing or broken. A checkpoint replaced
-        or pruned while it is read (by the job writing the root) is chosen anew,
-        never reported as damage. Rank 0 decides which checkpoint, and every rank
-        loads that one. ``strict``: every key of ``state`` must be in the
-        checkpoint and vice versa (else the result lists what did not match).
-        ``include``/``exclude``: dotted paths (``"model"``, ``"optim.state"``) to
-        load only, or to leave out (RNG states are then left alone); see
-        ``docs/state.md``.
-        """
-        self._check_open()
+        """Load a checkpoint into ``state`` (see :meth:`CheckpointManager.restore`)."""
         step = validate_or_none(step)
         auto = step is None and path is None
         excluded: set[int] = set()
@@ -145,7 +133,7 @@ class ResumePath:
             raise  # what failed stays where it is: the error tells the user what to move
         if outcome != _LOADED:
             raise _partly_filled(self.root, filled)
-        self._conclude(None, what=f"restore of step {record.step}", step=record.step)
+        self._outcomes.conclude(None, what=f"restore of step {record.step}", step=record.step)
         if auto:
             self._move_aside_unloadable()
         logger.info("safeckpt: restored step %d from %s", record.step, directory)
@@ -205,7 +193,6 @@ class ResumePath:
         See :func:`safeckpt.load`. Not collective: each rank that calls it reads
         the whole checkpoint.
         """
-        self._check_open()
         return load_state(self.root, step=validate_or_none(step))
 
     def _choose(
@@ -287,40 +274,16 @@ class ResumePath:
     def _note_unloadable(self, directory: Path, record: Record, reason: str) -> None:
         """Rank 0: auto-resume stepped over this commit; it no longer counts as the newest step."""
         if self._parts.is_leader:
-            self._unloadable[record.step] = (directory, record, reason)
+            self._damaged.note(directory, record, reason)
 
     def _move_aside_unloadable(self) -> None:
         """Collective, after an auto-resume that loaded a checkpoint or started fresh: rank 0, if
         it owns the root, moves what it stepped over to ``.damaged/``; every rank then takes rank
         0's view. Failure to move only warns: the steps stay out of the order check
-        (``_unloadable``) and are moved when this manager takes the root."""
+        (:class:`DamagedCommits`) and are moved when this manager takes the root."""
         if self._parts.is_leader:
-            self._quarantine()
-        self._share_view(self._parts.control, what="the checkpoints after a restore")
-
-    def _quarantine(self) -> None:
-        """Rank 0: move every noted unloadable commit aside, if this manager owns the root."""
-        owner = self._ownership
-        if not self._unloadable or owner is None or not owner.claimed or self._lock is None:
-            return
-        if not owner.still_ours():
-            return
-        moved = []
-        for step, (directory, record, reason) in sorted(self._unloadable.items()):
-            try:
-                move_aside(self._layout, self._lock, self._ops, directory, record, reason)
-            except (OSError, CheckpointError) as e:
-                logger.warning(
-                    "safeckpt: could not move the unloadable step %d aside (%s); it stays where it is, "
-                    "is never loaded by this job, and does not block its saves",
-                    step,
-                    e,
-                )
-                continue
-            moved.append(step)
-        for step in moved:
-            del self._unloadable[step]
-        self._view.drop_unloadable(moved)
+            self._session.move_damaged_aside()
+        self._outcomes.share_view(self._parts.control, what="the checkpoints after a restore")
 
 
 def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:

@@ -67,6 +67,7 @@ class SaveJob:
             pool.release(self.slot)
         self.slot = None
 
+
 logger = logging.getLogger(__name__)
 
 

@@ -1,15 +1,14 @@
-"""Opening a root: claim it if nobody writes it, else read; own it before the first write.
+"""A manager's hold on its root (rank 0): claim it if nobody writes it, else read; own it
+before the first write; give it up at ``close()``.
 
-The opening half of :class:`~safeckpt._manager.manager.CheckpointManager`, on rank 0
-(see :mod:`safeckpt._root.ownership` for the protocol and :mod:`safeckpt._root.startup`
-for what an owner collects).
+See :mod:`safeckpt._root.ownership` for the protocol and :mod:`safeckpt._root.startup`
+for what an owner collects.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from .._dist.failures import root_not_writable
@@ -21,28 +20,47 @@ from .._root.ownership import Ownership, live_writer
 from .._root.removal import Deleter
 from .._root.startup import take_root
 from ..errors import ConfigError, RootNotWritableError
+from .damaged import DamagedCommits
 from .saves import Committed, SaveView
 
 logger = logging.getLogger("safeckpt.manager")
 
 
-class OpenPath:
-    """How a manager's rank 0 gets at its root: as a reader, a claimant, or the writer."""
+class RootSession:
+    """Rank 0's hold on one root: the sidecar lock, the owner record, the background deleter.
 
-    root: Path
-    _layout: Layout
-    _ops: FileOps
-    _view: SaveView
-    _lock: SidecarLock | None
-    _ownership: Ownership | None
-    _deleter: Deleter | None
-    _lock_timeout: float
-    _retry_interval: float
-    read_only: bool
-    _quarantine: Callable[[], None]
+    Call rules: rank 0 only; ``open()`` once, then ``ensure_writer()`` before
+    every write and ``drain()``/``release()`` at ``close()``. ``lock``,
+    ``ownership`` and ``deleter`` are None until ``open()`` made them
+    (``deleter`` until this manager owns the root).
+    """
 
-    def _open_root(self, lock_timeout: float, retry_interval: float) -> None:
-        """Rank 0: claim the root if it is free, load the view.
+    def __init__(
+        self,
+        root: Path,
+        layout: Layout,
+        ops: FileOps,
+        view: SaveView,
+        damaged: DamagedCommits,
+        *,
+        read_only: bool,
+        lock_timeout: float,
+        retry_interval: float,
+    ) -> None:
+        self.root = root
+        self.read_only = read_only
+        self._layout = layout
+        self._ops = ops
+        self._view = view
+        self._damaged = damaged
+        self._lock_timeout = lock_timeout
+        self._retry_interval = retry_interval
+        self.lock: SidecarLock | None = None
+        self.ownership: Ownership | None = None
+        self.deleter: Deleter | None = None
+
+    def open(self) -> None:
+        """Claim the root if it is free, load the view.
 
         A claimant (no live owner was writing) recovers from an interrupted run
         and starts the deleter; otherwise this manager is a reader until its
@@ -56,14 +74,13 @@ class OpenPath:
                 "(it is created if missing).",
                 path=str(self.root),
             )
-        self._lock = SidecarLock(self._layout.lock_path, timeout=lock_timeout)
-        self._ownership = Ownership(self.root, self._lock, self._ops)
-        self._retry_interval = retry_interval
+        self.lock = SidecarLock(self._layout.lock_path, timeout=self._lock_timeout)
+        self.ownership = Ownership(self.root, self.lock, self._ops)
         claimed = False
         if not self.read_only:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                claimed = self._ownership.try_claim(writing=False)
+                claimed = self.ownership.try_claim(writing=False)
             except OSError as e:  # a read-only root or snapshot: restore still works
                 error = root_not_writable(self.root, e, doing=f"opening {self.root}")
                 logger.warning("safeckpt: %s Restoring works; save() raises until this is fixed.", error)
@@ -74,6 +91,31 @@ class OpenPath:
             self._take_root()
         else:
             self._load_view(self._read_catalog())
+
+    def move_damaged_aside(self) -> None:
+        """Move what a restore stepped over to ``.damaged/``, if this manager owns the root."""
+        self._damaged.move_aside(self.lock, self.ownership)
+
+    def drain(self, timeout: float) -> None:
+        """Keep deleting the trash for up to ``timeout`` s (at ``close()``)."""
+        if self.deleter is not None:
+            self.deleter.drain(timeout)
+
+    def release(self) -> list[BaseException]:
+        """Stop the deleter, give the root up, close the lock file; every step runs, errors returned."""
+        errors: list[BaseException] = []
+        for action in (
+            self.deleter.close if self.deleter is not None else None,
+            self.ownership.release if self.ownership is not None else None,
+            self.lock.close if self.lock is not None else None,
+        ):
+            if action is None:
+                continue
+            try:
+                action()
+            except BaseException as e:
+                errors.append(e)
+        return errors
 
     def _read_catalog(self) -> Catalog:
         try:
@@ -97,21 +139,21 @@ class OpenPath:
             )
 
     def _take_root(self) -> None:
-        """Rank 0, once it owns the root: start-up collection, the view, the deleter."""
-        assert self._lock is not None
-        catalog = take_root(self._layout, self._lock, self._ops)
+        """Once this manager owns the root: start-up collection, the view, the deleter."""
+        assert self.lock is not None and self.ownership is not None
+        catalog = take_root(self._layout, self.lock, self._ops)
         self._load_view(catalog)
-        self._quarantine()  # what a restore stepped over before this manager owned the root
-        if self._deleter is None:
-            self._deleter = Deleter(
+        self.move_damaged_aside()  # what a restore stepped over before this manager owned the root
+        if self.deleter is None:
+            self.deleter = Deleter(
                 self._layout,
-                self._lock,
+                self.lock,
                 self._ops,
                 retry_interval=self._retry_interval,
-                on_idle=self._ownership.heartbeat,
+                on_idle=self.ownership.heartbeat,
             )
-            self._deleter.start()
-        self._deleter.schedule()
+            self.deleter.start()
+        self.deleter.schedule()
 
     def _load_view(self, catalog: Catalog) -> None:
         for entry in catalog.entries:
@@ -125,8 +167,8 @@ class OpenPath:
         committed = [Committed(e.path, e.record) for e in catalog.newest_first() if e.record]
         self._view.load(committed, catalog.latest_step, next_seq=catalog.next_seq)
 
-    def _ensure_writer(self, doing: str) -> None:
-        """Rank 0, before anything is written: own the root, or raise an error that says why not.
+    def ensure_writer(self, doing: str) -> None:
+        """Before anything is written: own the root, or raise an error that says why not.
 
         A live writer elsewhere is :class:`RootInUseError` at once. A root removed
         while this job ran (``rm -rf``) is made again, with a warning that its
@@ -139,13 +181,13 @@ class OpenPath:
                 "writes nothing. Create it without read_only=True to save or pin (one writer per root).",
                 path=str(self.root),
             )
-        assert self._ownership is not None
+        assert self.ownership is not None
         try:
-            if self._ownership.writing and self._ownership.still_ours():
+            if self.ownership.writing and self.ownership.still_ours():
                 return
             self._remake_removed_root()
-            was_claimed = self._ownership.claimed and self._ownership.still_ours()
-            self._ownership.claim_for_writing()
+            was_claimed = self.ownership.claimed and self.ownership.still_ours()
+            self.ownership.claim_for_writing()
             if not was_claimed:
                 self._take_root()  # another owner held it since we opened: collect what it left
         except OSError as e:
@@ -160,8 +202,7 @@ class OpenPath:
             return
         gone = sorted(c.record.step for c in self._view.snapshot()[0])
         logger.warning(
-            "safeckpt: %s was removed while this job ran (by hand, or by another job); "
-            "making it again. %s",
+            "safeckpt: %s was removed while this job ran (by hand, or by another job); making it again. %s",
             self.root,
             f"The checkpoints it held (step(s) {', '.join(map(str, gone))}) are gone."
             if gone

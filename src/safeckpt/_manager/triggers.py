@@ -1,7 +1,7 @@
 """``should_save``: the schedule, rank 0's clock and preemption signals, one answer on every rank.
 
 The :class:`~safeckpt._policy.schedule.SaveSchedule` is pure (steps and seconds in, a
-decision out); this is its live half in :class:`~safeckpt._manager.manager.CheckpointManager`:
+decision out); this is its live half in :class:`~safeckpt.CheckpointManager`:
 the ``every_seconds`` clock is rank 0's, a signal counts on whichever rank
 received it, and one small collective over the manager's control group makes
 the answer the same everywhere.
@@ -10,9 +10,7 @@ the answer the same everywhere.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 
 from .._dist.participants import Participants
 from .._policy.schedule import SaveSchedule
@@ -21,7 +19,7 @@ from .preemption import PreemptionHandlers, signal_name
 
 logger = logging.getLogger("safeckpt.manager")
 
-__all__ = ["SaveTriggers"]
+__all__ = ["Triggers"]
 
 
 def _never_due(schedule: SaveSchedule | None) -> bool:
@@ -29,34 +27,30 @@ def _never_due(schedule: SaveSchedule | None) -> bool:
     return schedule is None or (schedule.every is None and schedule.milestones is None and not schedule.timed)
 
 
-class SaveTriggers:
-    """When the training loop should save (a part of :class:`~safeckpt.CheckpointManager`)."""
+class Triggers:
+    """When the training loop should save: the schedule, rank 0's clock, preemption signals.
 
-    schedule: SaveSchedule | None
-    _parts: Participants
-    _signals: PreemptionHandlers
-    _api_lock: threading.RLock
-    _last_save: float  # time.monotonic() of the last save() call
-    _preempted_by: int | None
-    _check_open: Callable[[], None]
-    _warned_never_due: bool = False  # set on the instance: once per manager
+    Call rules: ``should_save`` is collective over the control group when the
+    schedule is timed or signals are installed (call it on every rank, once
+    per step); ``saved()`` after each ``save()`` call restarts the clock.
+    """
+
+    def __init__(
+        self, parts: Participants, schedule: SaveSchedule | None, signals: PreemptionHandlers
+    ) -> None:
+        self.schedule = schedule
+        self._parts = parts
+        self._signals = signals
+        self._last_save = time.monotonic()  # SaveSchedule(every_seconds=...) counts from here
+        self._preempted_by: int | None = None
+        self._warned_never_due = False
+
+    def saved(self) -> None:
+        """A ``save()`` was called: ``every_seconds`` counts from now."""
+        self._last_save = time.monotonic()
 
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step`` (steps completed) now; the same answer on every rank.
-
-        True when the schedule says so, or once after a preemption signal on any
-        rank (then :attr:`preempted` is True: save, and leave the loop). Step
-        rules need no agreement; the ``every_seconds`` clock is rank 0's, and
-        signals count on every rank, which takes one small collective over the
-        manager's control group per call: call it on every rank, once per step.
-        With no schedule and no ``preemption_signals`` it is False for every step,
-        and a warning says so once.
-        """
-        with self._api_lock:  # its collective must not overlap a close() from another thread
-            return self._should_save(step)
-
-    def _should_save(self, step: int) -> bool:
-        self._check_open()
+        """Whether to save ``step`` now, the same on every rank (see ``CheckpointManager.should_save``)."""
         step = validate_step(step)
         schedule = self.schedule
         if not self._signals.signals and _never_due(schedule):

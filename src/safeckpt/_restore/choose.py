@@ -304,9 +304,7 @@ def _explicit_step(layout: Layout, step: int) -> tuple[Path, Record]:
         return directory, verify_checkpoint(directory, step=step)
     catalog = scan(layout.root)
     steps = sorted(catalog.committed)
-    there = (
-        f"the steps there are {_steps_listing(steps)}" if steps else "it holds no committed checkpoint"
-    )
+    there = f"the steps there are {_steps_listing(steps)}" if steps else "it holds no committed checkpoint"
     aside = [p for p in catalog.damaged if parse_damaged_name(p.name) == step]
     if aside:
         there = (
@@ -325,5 +323,3 @@ def _steps_listing(steps: list[int], limit: int = 20) -> str:
     if len(steps) <= limit:
         return ", ".join(map(str, steps))
     return f"{', '.join(map(str, steps[: limit // 2]))}, ..., {', '.join(map(str, steps[-limit // 2 :]))}"
-
-

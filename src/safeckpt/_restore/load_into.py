@@ -25,6 +25,7 @@ from .load_plan import LoadPlan, LoadReport, Selection
 
 logger = logging.getLogger(__name__)
 
+
 @collector_paused()  # thousands of small objects: see safeckpt._util.gc_pause
 def load_checkpoint(
     state: MutableMapping[Any, Any],

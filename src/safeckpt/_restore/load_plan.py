@@ -500,5 +500,3 @@ def _fill(target: Any, loaded: Any, shared: _Shared) -> Any:
 
 
 # --- without a template --------------------------------------------------------------------
-
-

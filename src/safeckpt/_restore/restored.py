@@ -64,4 +64,3 @@ class Restored:
             missing=tuple(missing),
             unexpected=tuple(unexpected),
         )
-

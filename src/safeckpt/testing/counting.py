@@ -104,7 +104,7 @@ class CountingFileOps(FileOps):
 
     def watch(self, mgr: CheckpointManager) -> None:
         """Spy on ``mgr``'s deleter (rank 0) so each wait is attributed to its pass."""
-        deleter = mgr._deleter
+        deleter = mgr._session.deleter
         if deleter is None:
             raise ValueError("this manager has no deleter (not rank 0)")
         run_pass = deleter.run_pass

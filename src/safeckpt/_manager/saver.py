@@ -1,0 +1,181 @@
+"""``save()`` up to the hand-over: check the arguments, capture the state, stage it, queue it.
+
+What happens after the hand-over (write, agree, commit, prune) is the
+:class:`~safeckpt._manager.committer.Committer`'s, on the writer thread (or
+inline for a sync save).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._dist.participants import Participants
+from .._format.layout import Layout
+from .._format.record import check_json_value, clean_metrics
+from .._state.walk import StateCache, capture
+from .._util.gc_pause import collector_paused
+from .._util.validate import int_or_none, validate_step
+from ..errors import CheckpointError, InvalidSaveError, SaveFailedError
+from .background import BackgroundWriter, StagingPool
+from .committer import Committer
+from .damaged import DamagedCommits
+from .outcomes import Outcomes, taken_anyway
+from .saves import SaveJob, SaveView
+from .session import RootSession
+from .triggers import Triggers
+
+logger = logging.getLogger("safeckpt.manager")
+
+
+class Saver:
+    """One ``save()`` call on one rank. Call rules: collective over the control group (every rank
+    calls ``save`` for every save, in the same order); never two at once (the manager's API lock)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        token: str,
+        save_rng: bool,
+        parts: Participants,
+        layout: Layout,
+        view: SaveView,
+        session: RootSession,
+        damaged: DamagedCommits,
+        committer: Committer,
+        outcomes: Outcomes,
+        triggers: Triggers,
+        pool: StagingPool | None,
+        writer: BackgroundWriter | None,
+        state_cache: StateCache,
+    ) -> None:
+        self.root = root
+        self.save_rng = save_rng
+        self._token = token  # the same on every rank: names the staging directory all ranks write
+        self._parts = parts
+        self._layout = layout
+        self._view = view
+        self._session = session
+        self._damaged = damaged
+        self._committer = committer
+        self._outcomes = outcomes
+        self._triggers = triggers
+        self._pool = pool
+        self._writer = writer
+        self._state_cache = state_cache
+        self._seq = 0
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None,
+        overwrite: bool,
+    ) -> None:
+        # Every rank counts every call, also one that fails validation on one rank only:
+        # the sequence number names the staging directory all ranks write into.
+        self._seq += 1
+        self._triggers.saved()
+        error: BaseException | None = None
+        job: SaveJob | None = None
+        try:
+            step = validate_step(step)
+            clean = clean_metrics(metrics)
+            check_json_value(dict(extra or {}), "extra")
+            if self._parts.is_leader:
+                self._session.ensure_writer(f"save(step={step})")
+                self._check_order(step, overwrite)
+            try:
+                with collector_paused():  # thousands of small objects: see safeckpt._util.gc_pause
+                    captured = capture(state, rng=self.save_rng, cache=self._state_cache)
+            except CheckpointError:
+                raise
+            except Exception as e:  # a state_dict() that raised
+                raise SaveFailedError(
+                    f"save(step={step}): reading the state failed ({type(e).__name__}: {e}); nothing "
+                    "was written and earlier checkpoints are untouched.",
+                    step=step,
+                    cause=e,
+                ) from e
+            job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
+            if self._pool is not None:
+                job.slot = self._acquire_slot(step)
+                with collector_paused():
+                    job.dcp_state = job.slot.stage(captured.dcp)
+            else:
+                job.dcp_state = captured.dcp
+        except BaseException as e:
+            error = e
+            if job is not None:
+                job.release_staging(self._pool)
+            if not isinstance(e, Exception):
+                raise
+        what = f"save({int_or_none(step)})"
+        try:
+            earlier = self._outcomes.conclude(error, what=what, step=int_or_none(step), defer_background=True)
+        except BaseException:
+            if job is not None:
+                job.release_staging(self._pool)
+            raise
+        assert job is not None
+        self._view.add(job)
+        if self._writer is not None:
+            self._writer.submit(job)
+            if self._parts.is_leader:
+                for cancelled in self._view.cancel_out_of_retention(self._committer.policy):
+                    logger.info(
+                        "safeckpt: cancelling queued save of step %d (out of retention)", cancelled.step
+                    )
+        else:
+            with collector_paused():  # a sync save blocks the caller anyway
+                self._committer.persist(job)
+            later = self._outcomes.conclude(None, what=what, step=step, defer_background=earlier is not None)
+            earlier = earlier or later
+        if earlier is not None:
+            raise taken_anyway(earlier, job.step, async_save=self._writer is not None)
+
+    def _acquire_slot(self, step: int) -> Any:
+        assert self._pool is not None
+        try:
+            return self._pool.acquire(timeout=self._parts.timeout)
+        except TimeoutError as e:
+            raise SaveFailedError(
+                f"save(step={step}): the previous save has not freed its staging buffers within "
+                f"{self._parts.timeout:g} s (its write is stuck: a hung filesystem?). Nothing of step "
+                f"{step} was written; check the storage, or raise timeout.",
+                step=step,
+                cause=e,
+            ) from e
+
+    def _check_order(self, step: int, overwrite: bool) -> None:
+        newest = self._view.newest_step(ignore=self._damaged.steps)
+        if newest is not None and step < newest and not overwrite:
+            raise InvalidSaveError(
+                f"save(step={step}): step {newest} is already saved in {self.root}, and saving an "
+                f"earlier step would make `latest` go back. If you restarted from an earlier "
+                f"checkpoint on purpose, pass overwrite=True; checkpoints after step {step} are "
+                "then kept until retention removes them. Nothing was written.",
+                step=step,
+                path=str(self.root),
+            )
+
+    def _new_job(
+        self, step: int, train_state: bytes, metrics: dict[str, float | None], extra: dict[str, Any]
+    ) -> SaveJob:
+        token = f"{self._token}{self._seq % 0x1000000:06x}"
+        return SaveJob(
+            seq=self._seq,
+            step=step,
+            staging_dir=self._layout.staging_dir(step, token),
+            dcp_state=None,
+            train_state=train_state,
+            metrics=metrics,
+            extra=extra,
+            time=time.time(),
+        )

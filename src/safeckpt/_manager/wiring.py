@@ -1,0 +1,151 @@
+"""Building a manager's collaborators, and opening its root (collective over the control group).
+
+Each collaborator is built from what it needs (no back references to the
+manager), in the order their dependencies ask for: the view; rank 0's session on
+the root, opened, and its registration thread; agreement on the opening; then
+the committer, the writer thread, triggers, the resumer, pins and the saver.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._dcp.plans import SavePlans
+from .._dist.participants import Participants
+from .._format.layout import Layout
+from .._fs.fileops import FileOps
+from .._policy.retention import Policy, Retention
+from .._policy.schedule import SaveSchedule
+from .._registration.registrar import Registrar
+from .._registration.worker import RegistrationWorker
+from .._state.walk import StateCache
+from .background import BackgroundWriter, StagingPool
+from .committer import Committer
+from .damaged import DamagedCommits
+from .outcomes import Outcomes
+from .pins import Pins
+from .preemption import PreemptionHandlers
+from .resumer import Resumer
+from .saver import Saver
+from .saves import SaveView
+from .session import RootSession
+from .triggers import Triggers
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """A manager's collaborators."""
+
+    view: SaveView
+    session: RootSession
+    outcomes: Outcomes
+    committer: Committer
+    resumer: Resumer
+    triggers: Triggers
+    pins: Pins
+    saver: Saver
+    pool: StagingPool | None
+    writer: BackgroundWriter | None
+    plans: SavePlans
+    state_cache: StateCache
+
+
+def wire(
+    root: Path,
+    parts: Participants,
+    *,
+    ops: FileOps,
+    retention: Retention | Policy,
+    schedule: SaveSchedule | None,
+    signals: PreemptionHandlers,
+    async_save: bool,
+    queue_depth: int,
+    save_rng: bool,
+    read_only: bool,
+    lock_timeout: float,
+    retry_interval: float,
+    registrar: Registrar | None,
+    registration_timeout: float,
+) -> Wiring:
+    """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails."""
+    layout = Layout(root)
+    view = SaveView()
+    plans = SavePlans()  # DCP's plans of this manager's saves, reused while they stay the same
+    state_cache = StateCache()  # the state's structure, reused while it stays the same
+    damaged = DamagedCommits(layout, view, ops)
+    session = RootSession(
+        root,
+        layout,
+        ops,
+        view,
+        damaged,
+        read_only=read_only,
+        lock_timeout=lock_timeout,
+        retry_interval=retry_interval,
+    )
+    outcomes = Outcomes(parts, view)
+    error: BaseException | None = None
+    registration: RegistrationWorker | None = None
+    if parts.is_leader:
+        try:
+            session.open()
+            if registrar is not None and not read_only:
+                assert session.lock is not None
+                registration = RegistrationWorker(
+                    registrar, session.lock, ops, root, timeout=registration_timeout
+                )
+        except BaseException as e:
+            error = e
+    parts.agree(error, parts.control, what=f"opening {root}")
+    outcomes.share_view(parts.control, what=f"the checkpoints in {root}")
+    token = parts.broadcast(uuid.uuid4().hex[:6], parts.control, what="the save session id")
+    pool = StagingPool(queue_depth) if async_save else None
+    committer = Committer(
+        root,
+        retention,
+        parts=parts,
+        plans=plans,
+        layout=layout,
+        ops=ops,
+        view=view,
+        pool=pool,
+        session=session,
+        outcomes=outcomes,
+        registration=registration,
+        registration_timeout=registration_timeout,
+    )
+    writer = BackgroundWriter(committer.persist, on_crash=committer.crashed) if async_save else None
+    triggers = Triggers(parts, schedule, signals)
+    resumer = Resumer(
+        root,
+        parts=parts,
+        layout=layout,
+        session=session,
+        damaged=damaged,
+        outcomes=outcomes,
+        save_rng=save_rng,
+    )
+    pins = Pins(
+        root, parts=parts, view=view, ops=ops, session=session, committer=committer, outcomes=outcomes
+    )
+    saver = Saver(
+        root,
+        token=token,
+        save_rng=save_rng,
+        parts=parts,
+        layout=layout,
+        view=view,
+        session=session,
+        damaged=damaged,
+        committer=committer,
+        outcomes=outcomes,
+        triggers=triggers,
+        pool=pool,
+        writer=writer,
+        state_cache=state_cache,
+    )
+    return Wiring(
+        view, session, outcomes, committer, resumer, triggers, pins, saver, pool, writer, plans, state_cache
+    )
