@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from safeckpt._dcp import options
 from safeckpt._fs import direct_write as direct_io
-from safeckpt._fs.direct_write import DirectFileWriter, direct_io_enabled
+from safeckpt._fs.direct_write import DirectFileWriter, direct_io_available
 
 _BUFFER = direct_io._BUFFER
 
@@ -41,7 +42,7 @@ def test_the_file_holds_exactly_the_bytes_written(tmp_path: Path, size: int, dir
 
 def test_the_disk_here_takes_o_direct(tmp_path: Path) -> None:
     """On the ext4 disk of this machine the fast path runs (else every test above tested the fallback)."""
-    if not direct_io_enabled():
+    if not direct_io_available():
         pytest.skip("no O_DIRECT on this platform")
     data = _payload(2 * _BUFFER + 5)
     out = _write(tmp_path / "f", [data])
@@ -83,7 +84,7 @@ def test_o_direct_refused_at_the_first_write_goes_on_buffered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As a FUSE filesystem does: the open succeeds, every O_DIRECT write fails with EINVAL."""
-    if not direct_io_enabled():
+    if not direct_io_available():
         pytest.skip("no O_DIRECT on this platform")
     real_pwrite = os.pwrite
     refused = []
@@ -144,8 +145,8 @@ def test_a_failed_background_write_is_raised_and_the_fd_closed(
 
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SAFECKPT_DIRECT_IO", "0")
-    assert not direct_io_enabled()
-    out = _write(tmp_path / "f", [b"abc"])
+    assert not options.defaults().direct_io  # what a manager gets unless it says direct_io=True
+    out = _write(tmp_path / "f", [b"abc"], direct=options.defaults().direct_io)
     assert not out.direct and (tmp_path / "f").read_bytes() == b"abc"
 
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_common import evict  # fsync, then drop from the page cache: a file or a whole directory
 from safeckpt import CheckpointManager, Retention
+from safeckpt._dcp import options
 from safeckpt._fs import direct_read as direct_read
 from safeckpt._fs.direct_read import ALIGN, DirectFileReader
 from safeckpt._storage import prefetch as early_read
@@ -124,7 +125,7 @@ def test_switched_off_by_the_environment(cold: tuple[Path, bytes], monkeypatch: 
     path, _ = cold
     monkeypatch.setenv("SAFECKPT_DIRECT_IO", "0")
     fd = os.open(path, os.O_RDONLY)
-    assert DirectFileReader.for_file(fd, 0) is None
+    assert DirectFileReader.for_file(fd, 0, enabled=options.defaults().direct_io) is None
     os.close(fd)
 
 
@@ -311,7 +312,9 @@ def test_prefetch_leaves_a_cold_shard_to_the_direct_reader(
     monkeypatch.setattr(early_read, "advise", lambda fd, offset, length, advice: advised.append(advice))
     decided = threading.Event()
     real = early_read.reads_direct
-    monkeypatch.setattr(early_read, "reads_direct", lambda fd, offset: (real(fd, offset), decided.set())[0])
+    monkeypatch.setattr(
+        early_read, "reads_direct", lambda fd, offset, **kw: (real(fd, offset, **kw), decided.set())[0]
+    )
     done = early_read.prefetch(directory, 0)
     assert decided.wait(10)
     assert advised == []

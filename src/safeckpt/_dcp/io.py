@@ -38,7 +38,9 @@ from .._format.record import Record, read_record
 from .._fs.safe_open import check_member_name
 from .._storage.reader import ItemInfos, RawFileSystemReader
 from .._storage.writer import RawFileSystemWriter
+from .._util.forksafe import reset_in_child
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from . import options
 from .nesting import flatten_nested, nest_for_dcp
 from .plans import SavePlans
 
@@ -46,11 +48,18 @@ logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 
-# dcp.save/load warn on every single-process call that they assume a single
-# process; for us that is the expected case, not news.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
-)
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """dcp.save/load warn on every single-process call that they assume a single process; for us
+    that is the expected case, not news. Silenced for our calls only: the process's filters stay."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized",
+            category=UserWarning,
+        )
+        yield
 
 _ALLOWED_GLOBALS: set[tuple[str, str]] = {
     ("torch", "Size"),
@@ -183,20 +192,15 @@ def _check_storage_paths(metadata: dcp_metadata.Metadata, path: Path, record: Re
             )
 
 
-def verification_enabled() -> bool:
-    """``SAFECKPT_VERIFY=0`` turns checksum verification on load off (measured in
-    docs/performance.md; on by default). ``safeckpt verify`` always verifies."""
-    return os.environ.get("SAFECKPT_VERIFY", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def checksums_of(
     record: Record | None, directory: Path, *, for_load: bool = True
 ) -> dict[str, FileChecksum] | None:
     """The record's checksums (None, with a warning once per directory, for an older record).
 
-    None too when verification on load is switched off (``for_load`` and ``SAFECKPT_VERIFY=0``).
+    None too when verification on load is off for this call (``for_load`` and the caller's
+    ``verify=False``, see :mod:`safeckpt._dcp.options`).
     """
-    if for_load and not verification_enabled():
+    if for_load and not options.current().verify:
         return None
     if record is None or record.checksums is None:
         key = str(directory)
@@ -239,6 +243,7 @@ def parsed_kept() -> Iterator[None]:
     Outside any, nothing is kept. Scopes nest and may overlap across threads.
     """
     global _keeping
+    reset_in_child(_reset_in_child)
     with _last_parsed_lock:
         _keeping += 1
     try:
@@ -278,8 +283,6 @@ def _reset_in_child() -> None:
     _forget()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
 
 
 class _RestrictedMetadata:
@@ -308,12 +311,13 @@ class SafeFileSystemReader(_RestrictedMetadata, RawFileSystemReader):
             path,
             checksums=checksums_of(record, Path(path)),
             step=None if record is None else record.step,
+            direct_io=options.current().direct_io,
         )
         self._record = record
 
 
 class SafeTorchFileSystemReader(SafeFileSystemReader):
-    """DCP's own reader (``SAFECKPT_DCP_IO=torch``), each item's bytes checked before DCP reads them."""
+    """DCP's own reader (``dcp_io="torch"``), each item's bytes checked before DCP reads them."""
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         self.verify_items(plan.items)
@@ -321,9 +325,9 @@ class SafeTorchFileSystemReader(SafeFileSystemReader):
 
 
 def _torch_io() -> bool:
-    """``SAFECKPT_DCP_IO=torch`` switches to DCP's own writer and reader (same files, slower):
+    """Whether this call uses DCP's own writer and reader (``dcp_io="torch"``: same files, slower),
     a way around a problem in :mod:`safeckpt._storage.writer` without changing code."""
-    return os.environ.get("SAFECKPT_DCP_IO", "raw").strip().lower() == "torch"
+    return options.current().dcp_io == options.TORCH
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -445,11 +449,15 @@ def save(
     caller checksums what is missing).
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
-    writer_class = FileSystemWriter if _torch_io() else RawFileSystemWriter
-    writer = writer_class(directory, sync_files=True, single_file_per_rank=True, thread_count=1)
+    kwargs: dict[str, Any] = dict(sync_files=True, single_file_per_rank=True, thread_count=1)
+    if _torch_io():
+        writer = FileSystemWriter(directory, **kwargs)
+    else:
+        writer = RawFileSystemWriter(directory, direct_io=options.current().direct_io, **kwargs)
     planner = None if plans is None else plans.planner()
     try:
-        dcp.save(dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group))
+        with _quiet_single_process():
+            dcp.save(dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group))
     except BaseException:
         # DCP raises on every rank: each drops its plans, and the next save plans in full
         if plans is not None:
@@ -479,12 +487,13 @@ def load(
     read_metadata(directory, record=record)
     reader_class = SafeTorchFileSystemReader if _torch_io() else SafeFileSystemReader
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader_class(directory, record=record),
-            planner=SafeLoadPlanner(),
-            **_group_or_none(group),
-        )
+        with _quiet_single_process():
+            dcp.load(
+                state_dict,
+                storage_reader=reader_class(directory, record=record),
+                planner=SafeLoadPlanner(),
+                **_group_or_none(group),
+            )
     except CheckpointException as e:
         # DCP wraps every rank's error in a CheckpointException (a BaseException); ours (a
         # refusal to run code, a checksum mismatch) must reach the caller as what it is.

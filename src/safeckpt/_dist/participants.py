@@ -14,7 +14,6 @@ them deadlocks under tightly spaced async saves. Without ``torch.distributed``
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import pickle
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._util.forksafe import at_exit
 from ..errors import CheckpointError, RankAgreementError
 
 logger = logging.getLogger(__name__)
@@ -181,12 +181,13 @@ class Participants:
 
 
 # Groups not released yet, by id of their Participants: a manager whose constructor failed, or
-# one never closed, still has its groups shut down at exit, after every other exit hook (this
-# one is registered when safeckpt is imported, so it runs last), while Python is whole.
+# one never closed, still has its groups shut down at exit, after the exit hooks of managers
+# (this one is registered with the first group, before any manager's), while Python is whole.
 _UNRELEASED: dict[int, Participants] = {}
 
 
 def _unreleased(parts: Participants) -> Participants:
+    at_exit(_release_all)
     _UNRELEASED[id(parts)] = parts
     return parts
 
@@ -195,7 +196,6 @@ def _live_groups() -> Any:
     return dist.distributed_c10d._world.pg_map
 
 
-@atexit.register
 def _release_all() -> None:
     for parts in list(_UNRELEASED.values()):
         parts.release()

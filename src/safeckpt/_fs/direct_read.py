@@ -17,7 +17,7 @@ A file whose first bytes are already in the page cache (written without
 ``O_DIRECT``, read moments ago) is read the buffered way, which is then a
 memory copy; so is every file where ``O_DIRECT`` is refused (at open, or
 with ``EINVAL`` at the first read: FUSE, tmpfs) or turned off with
-``SAFECKPT_DIRECT_IO=0``. Which path ran never changes the bytes: the caller
+a manager's ``direct_io=False``. Which path ran never changes the bytes: the caller
 checks every CRC32 either way.
 """
 
@@ -36,7 +36,7 @@ from .direct_write import (
     _REFUSED,
     BUFFER_BYTES,
     copy_bytes,
-    direct_io_enabled,
+    direct_io_available,
     give_back,
     take_buffer,
 )
@@ -101,7 +101,9 @@ class DirectFileReader:
         self._read_once = False
 
     @classmethod
-    def for_file(cls, fd: int, probe_offset: int, early: Early | None = None) -> DirectFileReader | None:
+    def for_file(
+        cls, fd: int, probe_offset: int, early: Early | None = None, *, enabled: bool = True
+    ) -> DirectFileReader | None:
         """A reader for the file open at ``fd``, or None where buffered reads are the better choice.
 
         None when ``O_DIRECT`` is off or missing, when the page at
@@ -112,7 +114,7 @@ class DirectFileReader:
         this file read before it was asked for (:mod:`safeckpt._storage.prefetch`),
         taken in place of reading those ranges again.
         """
-        if not reads_direct(fd, probe_offset):
+        if not reads_direct(fd, probe_offset, enabled=enabled):
             return None
         direct_fd = open_direct(fd)
         return None if direct_fd is None else cls(direct_fd, early)
@@ -193,10 +195,10 @@ class Early(Protocol):
         ...
 
 
-def reads_direct(fd: int, probe_offset: int) -> bool:
-    """Whether the file open at ``fd`` is read with ``O_DIRECT``: it is on, and the page at
-    ``probe_offset`` is not in the page cache (a warm file is read buffered: a memory copy)."""
-    return direct_io_enabled() and not _cached(fd, probe_offset)
+def reads_direct(fd: int, probe_offset: int, *, enabled: bool = True) -> bool:
+    """Whether the file open at ``fd`` is read with ``O_DIRECT``: ``enabled``, the platform has it,
+    and the page at ``probe_offset`` is not in the page cache (a warm file is read buffered)."""
+    return enabled and direct_io_available() and not _cached(fd, probe_offset)
 
 
 def open_direct(fd: int) -> int | None:

@@ -15,7 +15,7 @@ the two descriptors never touch the same page.
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, FUSE, some network
 filesystems, macOS), at open or at the first write, the full buffers go
 through the ordinary descriptor too: the bytes and the durability never
-depend on which path ran. ``SAFECKPT_DIRECT_IO=0`` turns ``O_DIRECT`` off.
+depend on which path ran. ``direct=False`` (a manager's ``direct_io=False``) turns it off.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from .._util.forksafe import reset_in_child
+
 __all__ = [
     "BUFFER_BYTES",
     "DirectFileWriter",
     "aligned_buffer",
     "copy_bytes",
-    "direct_io_enabled",
+    "direct_io_available",
     "give_back",
     "take_buffer",
 ]
@@ -57,11 +59,9 @@ _pool: list[mmap.mmap] = []  # free buffers, reused between files and by the dir
 # touch costs page faults: 40 ms per 64 MiB on this project's VM, more than reading them from disk)
 
 
-def direct_io_enabled() -> bool:
-    """``O_DIRECT`` writes are tried unless ``SAFECKPT_DIRECT_IO=0`` (or the platform has none)."""
-    if not _O_DIRECT:
-        return False
-    return os.environ.get("SAFECKPT_DIRECT_IO", "1").strip().lower() not in ("0", "false", "no", "off")
+def direct_io_available() -> bool:
+    """Whether this platform has ``O_DIRECT`` at all (a filesystem may still refuse it)."""
+    return bool(_O_DIRECT)
 
 
 def aligned_buffer(size: int) -> mmap.mmap:
@@ -100,8 +100,6 @@ def _forget_pool_in_child() -> None:
 
 
 _orphaned: list[mmap.mmap] = []  # a forked child's inherited pool, never touched
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 def take_buffer() -> mmap.mmap:
@@ -114,6 +112,7 @@ def take_buffer() -> mmap.mmap:
 
 def give_back(buffer: mmap.mmap) -> None:
     """Return a buffer from :func:`take_buffer` (no view of it may be left)."""
+    reset_in_child(_forget_pool_in_child)
     with _pool_lock:
         if len(_pool) < _POOL:
             _pool.append(buffer)
@@ -131,9 +130,9 @@ class DirectFileWriter:
     whether any byte went through ``O_DIRECT``.
     """
 
-    def __init__(self, path: str | Path, *, direct: bool | None = None) -> None:
+    def __init__(self, path: str | Path, *, direct: bool = True) -> None:
         self.path = Path(path)
-        self._wants_direct = direct_io_enabled() if direct is None else direct and bool(_O_DIRECT)
+        self._wants_direct = direct and bool(_O_DIRECT)
         self.direct = False
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o644)
         self._direct_fd = -1

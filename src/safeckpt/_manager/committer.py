@@ -28,6 +28,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
+from .._dcp.options import IOOptions
+from .._dcp.options import using as using_io
 from .._dcp.plans import SavePlans
 from .._dist.failures import save_failed
 from .._dist.participants import Participants
@@ -80,6 +82,7 @@ class Committer:
         outcomes: Outcomes,
         registration: RegistrationWorker | None,
         registration_timeout: float,
+        io: IOOptions,
     ) -> None:
         self.root = root
         self.retention = retention
@@ -94,6 +97,7 @@ class Committer:
         self._outcomes = outcomes
         self._registration = registration
         self.registration_timeout = registration_timeout
+        self._io = io
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
         self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
         self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
@@ -114,7 +118,8 @@ class Committer:
         the error waits for the next save/wait/flush/close. Never raises.
         """
         try:
-            self._write_and_commit(job)
+            with using_io(self._io):
+                self._write_and_commit(job)
         except BaseException as e:
             job.release_staging(self._pool)
             if job.committed_here:

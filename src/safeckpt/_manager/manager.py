@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._dcp.options import resolve as resolve_io
 from .._dist.participants import Participants
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._policy.retention import Policy, Retention, is_policy
@@ -68,6 +69,13 @@ class CheckpointManager:
         lock_timeout: how long to wait for the root's sidecar lock (held for moments by a
             commit, a prune, or a ``safeckpt`` command). A root another live job writes is
             :class:`RootInUseError` within seconds, whatever this says.
+        verify: check every byte loaded against the CRC32 written with it (default: True;
+            ``SAFECKPT_VERIFY=0`` in the environment makes it False for the whole process, with
+            a WARNING). ``safeckpt verify`` always checks.
+        direct_io: write and read large files with ``O_DIRECT`` where the filesystem takes
+            it (default: True; ``SAFECKPT_DIRECT_IO=0`` turns it off). The bytes are the same.
+        dcp_io: ``"raw"`` (default): safeckpt's own DCP writer and reader; ``"torch"``: DCP's
+            (same files, slower; ``SAFECKPT_DCP_IO=torch``), a way around a problem in ours.
         read_only: for jobs that only restore (evaluation, export): nothing is written,
             ``save()`` and ``pin()`` raise :class:`RootNotWritableError`, and a root this
             process cannot write is not warned about. Without it, such a root opens with a
@@ -106,6 +114,9 @@ class CheckpointManager:
         file_ops: FileOps | None = None,
         process_group: dist.ProcessGroup | None = None,
         read_only: bool = False,
+        verify: bool | None = None,
+        direct_io: bool | None = None,
+        dcp_io: str | None = None,
     ) -> None:
         positive_int("queue_depth", queue_depth)
         lock_timeout = positive_seconds("lock_timeout", lock_timeout)
@@ -119,6 +130,7 @@ class CheckpointManager:
             )
         if schedule is not None and not isinstance(schedule, SaveSchedule):
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         self.root = Path(root).absolute()
         self.read_only = bool(read_only)
@@ -147,6 +159,7 @@ class CheckpointManager:
             retry_interval=retry_interval,
             registrar=registrar,
             registration_timeout=self.registration_timeout,
+            io=io,
         )
         self._parts, self._view, self._session, self._outcomes = parts, w.view, w.session, w.outcomes
         self._committer, self._resumer, self._triggers, self._pins = (

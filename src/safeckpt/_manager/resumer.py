@@ -17,6 +17,8 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
+from .._dcp.options import IOOptions
+from .._dcp.options import using as using_io
 from .._dist.participants import Participants, agreed_error
 from .._dist.participants import portable as _portable
 from .._format.identity import Fate, fate_of
@@ -69,6 +71,7 @@ class Resumer:
         damaged: DamagedCommits,
         outcomes: Outcomes,
         save_rng: bool,
+        io: IOOptions,
     ) -> None:
         self.root = root
         self.save_rng = save_rng
@@ -77,6 +80,7 @@ class Resumer:
         self._session = session
         self._damaged = damaged
         self._outcomes = outcomes
+        self._io = io
 
     @collector_paused()  # the record's and the plan's objects too, not only DCP's (see _util.gc_pause)
     @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
@@ -91,6 +95,19 @@ class Resumer:
         exclude: Sequence[str] | None = None,
     ) -> Restored:
         """Load a checkpoint into ``state`` (see :meth:`CheckpointManager.restore`)."""
+        with using_io(self._io):
+            return self._restore(state, step, path, strict=strict, include=include, exclude=exclude)
+
+    def _restore(
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None,
+        path: str | os.PathLike[str] | None,
+        *,
+        strict: bool,
+        include: Sequence[str] | None,
+        exclude: Sequence[str] | None,
+    ) -> Restored:
         step = validate_or_none(step)
         auto = step is None and path is None
         excluded: set[int] = set()
@@ -193,7 +210,8 @@ class Resumer:
         See :func:`safeckpt.load`. Not collective: each rank that calls it reads
         the whole checkpoint.
         """
-        return load_state(self.root, step=validate_or_none(step))
+        with using_io(self._io):
+            return load_state(self.root, step=validate_or_none(step))
 
     def _choose(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: set[int]

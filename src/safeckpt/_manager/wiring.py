@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.layout import Layout
@@ -68,6 +69,7 @@ def wire(
     retry_interval: float,
     registrar: Registrar | None,
     registration_timeout: float,
+    io: IOOptions,
 ) -> Wiring:
     """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails."""
     layout = Layout(root)
@@ -115,6 +117,7 @@ def wire(
         outcomes=outcomes,
         registration=registration,
         registration_timeout=registration_timeout,
+        io=io,
     )
     writer = BackgroundWriter(committer.persist, on_crash=committer.crashed) if async_save else None
     triggers = Triggers(parts, schedule, signals)
@@ -126,6 +129,7 @@ def wire(
         damaged=damaged,
         outcomes=outcomes,
         save_rng=save_rng,
+        io=io,
     )
     pins = Pins(
         root, parts=parts, view=view, ops=ops, session=session, committer=committer, outcomes=outcomes

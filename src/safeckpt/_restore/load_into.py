@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
+from .._dcp import options as io_options
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.train_state import Legacy, read_tree, restore_rng
@@ -52,7 +53,8 @@ def load_checkpoint(
     called once the state starts to change: an error after it (damaged bytes
     found while reading) leaves part of the state filled.
     """
-    done_reading = prefetch(directory, parts.rank)  # the disk works while this plans
+    # the disk works while this plans
+    done_reading = prefetch(directory, parts.rank, direct_io=io_options.current().direct_io)
     try:
         return _load_checkpoint(
             state,

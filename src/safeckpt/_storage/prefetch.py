@@ -36,6 +36,7 @@ from .._format.layout import DATA_SUFFIX
 from .._fs.direct_read import open_direct, read_aligned, reads_direct
 from .._fs.direct_write import BUFFER_BYTES, give_back, take_buffer
 from .._fs.safe_open import open_regular
+from .._util.forksafe import reset_in_child
 
 __all__ = ["EarlyReads", "advise", "lookup", "prefetch"]
 
@@ -56,8 +57,6 @@ def _forget_in_child() -> None:
     _open = {}
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _key(info: os.stat_result) -> _Key:
@@ -93,6 +92,7 @@ class EarlyReads:
             self.close()
             raise
         if self._windows:
+            reset_in_child(_forget_in_child)
             with _lock:
                 _open[self.key] = self
 
@@ -165,7 +165,9 @@ def lookup(info: os.stat_result) -> EarlyReads | None:
 # --- the hint, for either kind of file -----------------------------------------------------
 
 
-def prefetch(directory: Path, rank: int, *, limit: int = PREFETCH_BYTES) -> Callable[[], None]:
+def prefetch(
+    directory: Path, rank: int, *, direct_io: bool = True, limit: int = PREFETCH_BYTES
+) -> Callable[[], None]:
     """Start the disk on ``rank``'s shard file now; returns what to call once the restore has read.
 
     A restore spends tens of milliseconds (record, metadata, DCP's planning)
@@ -184,7 +186,7 @@ def prefetch(directory: Path, rank: int, *, limit: int = PREFETCH_BYTES) -> Call
     except Exception:
         return _nothing
     try:
-        direct = reads_direct(fd, 0)  # the reader will read it with O_DIRECT: it is cold
+        direct = reads_direct(fd, 0, enabled=direct_io)  # the reader will read it with O_DIRECT: it is cold
         early = EarlyReads.start(fd, info) if direct else None  # its own O_DIRECT descriptor
     except Exception:
         os.close(fd)

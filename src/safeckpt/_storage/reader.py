@@ -66,9 +66,11 @@ class RawFileSystemReader(FileSystemReader):
         *args: Any,
         checksums: Mapping[str, FileChecksum] | None = None,
         step: int | None = None,
+        direct_io: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._direct_io = direct_io  # O_DIRECT for a cold file where the filesystem takes it
         self._shapes = ArchiveShapes()
         self._checksums = checksums
         self._step = step
@@ -119,7 +121,11 @@ class RawFileSystemReader(FileSystemReader):
         # disk down). A cold file is read with O_DIRECT (direct_read) on two threads, two requests in
         # flight: a reading thread that has to wait for the GIL after its read (up to the 5 ms switch
         # interval while this thread runs Python) would leave the disk idle meanwhile.
-        direct = DirectFileReader.for_file(fd, order[0], early_lookup(os.fstat(fd))) if order else None
+        direct = (
+            DirectFileReader.for_file(fd, order[0], early_lookup(os.fstat(fd)), enabled=self._direct_io)
+            if order
+            else None
+        )
         readers = 2 if direct is not None else 1
         position = 0
         runs: dict[int, PlannedRun] = {}  # planned already, by the position of their first archive

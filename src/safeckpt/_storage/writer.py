@@ -65,8 +65,9 @@ class RawFileSystemWriter(FileSystemWriter):
 
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, direct_io: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._direct_io = direct_io  # O_DIRECT for the data files where the filesystem takes it
         self.checksums: dict[str, FileChecksum] = {}
         """CRC32 segments of each file this rank wrote (one per item), for the record."""
         self._checksums_lock = threading.Lock()
@@ -119,7 +120,7 @@ class RawFileSystemWriter(FileSystemWriter):
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = self.fs.concat_path(self.path, file_name)
         results = []
-        with DirectFileWriter(path) as stream:
+        with DirectFileWriter(path, direct=self._direct_io) as stream:
             archives = _ArchiveWriter()
             checked = _ChecksummedStream(stream)
             # Byte items first, then tensors, as DCP orders them.
