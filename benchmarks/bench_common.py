@@ -12,7 +12,7 @@ that are limits (the fastest of several strategies, on fresh paths);
 
 A benchmark script prints its tables as Markdown on stdout; ``--json PATH`` also
 writes them as data (:meth:`Report.load` reads it back), which ``run_all.py``
-merges over its 3 interleaved runs into the blocks of ``docs/performance.md``.
+merges over its 3 interleaved runs into the blocks of ``benchmarks/results.md``.
 """
 
 from __future__ import annotations

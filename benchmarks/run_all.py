@@ -1,4 +1,4 @@
-"""Regenerate the tables of ``docs/performance.md`` with one command.
+"""Regenerate the tables of ``benchmarks/results.md`` with one command.
 
     .venv/bin/python benchmarks/run_all.py                 # every section (also: make bench)
     .venv/bin/python benchmarks/run_all.py --only bench_save --quick
@@ -14,7 +14,8 @@ A section with ``runs=1`` is run once and its Markdown used as it is.
 The result replaces the block between
 ``<!-- bench:<key>:start -->`` and ``<!-- bench:<key>:end -->`` in the document;
 a section not in the document yet is appended under its title. Everything
-outside the markers (the analysis of missed targets) is left as it is. A
+outside the markers is left as it is. ``docs/performance.md``, the page for
+users, takes its figures from the blocks by hand. A
 section that fails or cannot run (no FUSE, no second rank) keeps its previous
 block, with a line saying why it was not refreshed; a section that exits with
 status 77 (``SKIPPED``: it cannot run on this machine, e.g. no FUSE) does not
@@ -45,7 +46,7 @@ from bench_common import filesystem_of, machine
 from bench_tables import BEATEN, Report, beaten_limits, merged_markdown
 
 REPO = Path(__file__).resolve().parent.parent
-DOC = REPO / "docs" / "performance.md"
+DOC = REPO / "benchmarks" / "results.md"
 PYTHON = ".venv/bin/python"
 SKIPPED = 77  # exit status of a benchmark that cannot run here (the automake convention)
 

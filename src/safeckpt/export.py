@@ -2,7 +2,7 @@
 
 The implementation lives in :mod:`safeckpt._ops.export` and
 :mod:`safeckpt._ops.weights_import`; this module is the public path the docs
-name (``safeckpt._ops.export.export_weights``, ``safeckpt._ops.export.import_weights``).
+name (``safeckpt.export.export_weights``, ``safeckpt.export.import_weights``).
 """
 
 from ._ops.export import (

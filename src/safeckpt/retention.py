@@ -1,7 +1,7 @@
 """Retention policies (public): which committed checkpoints to keep.
 
 The implementation lives in :mod:`safeckpt._policy.retention`; this module is
-the public path the docs name (``safeckpt._policy.retention.plan_removals``).
+the public path the docs name (``safeckpt.retention.plan_removals``).
 """
 
 from ._policy.retention import (

@@ -235,11 +235,10 @@ def parsed_kept() -> Iterator[None]:
     """Inside (a context manager, or a decorator), the last ``.metadata`` and checksums parsed are
     kept for the next read of the same checkpoint; they are forgotten when the outermost one ends.
 
-    Unpickling a large ``.metadata`` takes tens of ms and a restore needs it
+    Unpickling a large ``.metadata`` is slow and a restore needs it
     several times (verify, key check, the reader). Kept after the restore, the
     objects of 10^4 tensors' metadata (10^5 of them) would hold memory for the
-    rest of the run and make the collector walk them: the first collection
-    after a 10,000-tensor restore took 16-33 ms with them, under 1 ms without.
+    rest of the run and make the collector walk them in every full collection.
     Outside any, nothing is kept. Scopes nest and may overlap across threads.
     """
     global _keeping
@@ -257,7 +256,7 @@ def parsed_kept() -> Iterator[None]:
 
 def forget_parsed() -> None:
     """Forget the last ``.metadata`` and checksums parsed, as a new process starts: a benchmark's
-    cold restore then pays what a restarted job pays (an unpickle of 10^4 tensors' metadata: tens of ms)."""
+    cold restore then pays what a restarted job pays (the unpickle of the checkpoint's metadata)."""
     with _last_parsed_lock:
         _forget()
 
@@ -334,7 +333,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values with ``torch.load(weights_only=True)``; plans whole-tensor loads itself.
 
     DCP plans every tensor through its resharding sweep (chunk lists, overlap
-    regions): about 30 us each, 0.15 s of a 10,000-tensor restore. Where every
+    regions), a large share of a restore of many small tensors. Where every
     value is a plain tensor saved whole, in one chunk, of its current size (a
     restore on the ranks and shapes it was saved with), each read item is the
     one that sweep gives: the whole saved chunk into the whole tensor. Anything

@@ -1,7 +1,7 @@
 """The two levels safeckpt hands DCP, and their flattening.
 
-DCP flattens whatever it is given into dot-joined keys, walking it in Python
-(about 10 us per tensor). safeckpt hands it its flat keys nested by their first
+DCP flattens whatever it is given into dot-joined keys, walking it in Python,
+tensor by tensor. safeckpt hands it its flat keys nested by their first
 segment (:func:`nest_for_dcp`), and undoes that itself (:func:`flatten_nested`)
 into exactly what DCP's walk gives.
 """
@@ -21,7 +21,7 @@ def nest_for_dcp(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
     DCP does per-key work (a ``Stateful`` protocol check, a logging context) for
     every top-level key it is given; nested, that is once per group instead of
-    once per tensor (10,000 small tensors load about a quarter faster).
+    once per tensor (a state of many small tensors loads faster).
     """
     leaves = {fqn for fqn in flat if "." not in fqn}
     out: dict[str, Any] = {}
@@ -37,9 +37,9 @@ def nest_for_dcp(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 def flatten_nested(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
     """What DCP's ``flatten_state_dict`` gives for :func:`nest_for_dcp`'s output, without its walk.
 
-    DCP's walk costs about 10 us per tensor (0.1 s of a 10,000-tensor save or
-    restore). None for anything else (another shape, a ShardedTensor, a meta
-    tensor DCP would materialize, two keys flattening alike): DCP then flattens.
+    DCP's walk costs Python time per tensor on every save and restore. None for anything else
+    (another shape, a ShardedTensor, a meta tensor DCP would materialize, two keys flattening
+    alike): DCP then flattens.
     """
     flat: dict[str, Any] = {}
     paths: dict[str, tuple[str, ...]] = {}

@@ -1,9 +1,8 @@
 """DCP's save plans, cached between saves of one manager, compared strictly.
 
 Planning a save costs every time: each rank's local plan, a gather of all of
-them, the coordinator's global plan and its validation, a scatter back (a
-median 36 ms per save for 150 DTensors on 2 gloo ranks; 23 ms with the plans
-cached, ``benchmarks/trace_ranks.py``). DCP can cache those plans
+them, the coordinator's global plan and its validation, a scatter back
+(``benchmarks/trace_ranks.py`` times it). DCP can cache those plans
 (``DefaultSavePlanner(enable_plan_caching=True)``): a rank whose local plan did
 not change sends an empty one, and the coordinator reuses its global plan and
 metadata. Two things keep that from being safe as it is:
@@ -18,18 +17,17 @@ metadata. Two things keep that from being safe as it is:
 So each :class:`SavePlans` has its own key, a local plan counts as unchanged
 only when it is equal in every field, and a rank that sent its plan always
 gets its whole final plan back (DCP's comparison of final plans is as loose).
-The planner also flattens the state itself (``dcp_nesting.flatten_nested``).
+The planner also flattens the state itself (:func:`safeckpt._dcp.nesting.flatten_nested`).
 
 A state of plain tensors (what the manager's staging hands over) is planned
-here rather than by DCP's helpers, to the same items: a few microseconds per
-tensor instead of tens, with one :class:`TensorProperties` object per kind of
-tensor and one size object per tensor, shared. ``.metadata`` then pickles them
-once (10,000 tensors: 150 ms to pickle and 85 ms to unpickle with DCP's
-objects, 90 and 60 ms shared). And while the inputs of that plan (names, shapes,
-dtypes, layouts, ``requires_grad``, pinning, the flattening's mappings) are what
-the cached plan was made from, the plan is neither made again nor compared:
-for 10,000 tensors that was 0.36 s of Python per save, on the writer's thread,
-holding the GIL beside training.
+here rather than by DCP's helpers, to the same items, with far less Python per
+tensor: one :class:`TensorProperties` object per kind of tensor and one size
+object per tensor, shared. ``.metadata`` then pickles them once, so it is
+smaller and quicker to pickle and unpickle. And while the inputs of that plan
+(names, shapes, dtypes, layouts, ``requires_grad``, pinning, the flattening's
+mappings) are what the cached plan was made from, the plan is neither made
+again nor compared: for many small tensors that was much of a save's Python,
+on the writer's thread, holding the GIL beside training.
 """
 
 from __future__ import annotations

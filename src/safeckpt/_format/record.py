@@ -241,7 +241,7 @@ def _int(value: Any) -> int:
 def encode(record: Record) -> bytes:
     """The record as JSON, indented for a reader, but for the checksums: a row per item, 10^4 of them
     for a state of small tensors, written compact by the C encoder. The indenting encoder is pure
-    Python (34 ms for 10,000 rows against 5 ms) and holds the GIL while training runs."""
+    Python (several times slower) and holds the GIL while training runs."""
     data = record.to_json()
     checksums = data.get("checksums")
     if not checksums or list(data)[-1] != "checksums":

@@ -4,10 +4,9 @@ A buffered read of a file that is not in the page cache goes through the
 kernel's readahead, a few MiB ahead of the reader. A large ``O_DIRECT``
 request is split by the kernel into the disk's largest requests and queued at
 once, and nothing is copied into the page cache: on local NVMe that is what
-reaches the device's bandwidth. On this project's virtual disk the two trade
-places from one hour to the next (1 GiB cold: buffered 0.4 to 2.4 s, direct
-0.5 to 1.3 s; ``docs/performance.md``, the read limit's strategies). The
-bytes land in a page-aligned 16 MiB buffer from the writer's pool
+reaches the device's bandwidth. On a virtual disk either can be the faster
+(``benchmarks/bench_limits.py`` times both as read limits). The bytes land
+in a page-aligned 16 MiB buffer from the writer's pool
 (:func:`~safeckpt._fs.direct_write.take_buffer`: ``O_DIRECT`` wants aligned
 addresses, offsets and lengths, and an archive's data is only 64-byte
 aligned; a pooled buffer's pages are mapped already), which the caller copies

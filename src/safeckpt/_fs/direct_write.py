@@ -1,9 +1,9 @@
 """A write stream that moves a file's bytes to disk through aligned buffers, ``O_DIRECT`` where it can.
 
 A buffered write copies every byte into the page cache, and the fsync that
-follows then waits for the kernel's writeback of all of it; on the disks we
-measured that is about twice as long as writing the same bytes with
-``O_DIRECT`` (``docs/performance.md``, the write limit's strategies). The
+follows then waits for the kernel's writeback of all of it, which is often
+much longer than writing the same bytes with ``O_DIRECT`` (both are write
+limits in ``benchmarks/bench_limits.py``). The
 stream copies what it is given into page-aligned 16 MiB buffers (a memcpy,
 the cheapest step) and a background thread writes each full buffer with one
 ``pwrite`` on an ``O_DIRECT`` descriptor while the next one fills, so the copy,
@@ -70,10 +70,8 @@ def aligned_buffer(size: int) -> mmap.mmap:
     The kernel builds an ``O_DIRECT`` request from physically contiguous
     memory. 4 KiB pages, scattered by a fragmented allocator, split a 16 MiB
     request into pieces of 512 KiB to 2 MiB; 2 MiB pages never give less than
-    the disk's largest request (4 MiB here). On this project's virtual disk,
-    where each request costs about 0.3 ms, a cold 1 GiB read into 16 MiB
-    buffers took 0.59 s from 4 KiB pages and 0.39 s from huge pages
-    (``docs/performance.md``). The mapping is private: a shared anonymous one
+    the disk's largest request, so a large transfer takes fewer requests, each
+    with its fixed cost. The mapping is private: a shared anonymous one
     is shmem, whose huge pages are off by default. Where there are none
     (``MADV_HUGEPAGE`` missing or refused) it is an ordinary mapping.
 
@@ -285,11 +283,10 @@ class DirectFileWriter:
 def copy_bytes(out: memoryview, data: memoryview) -> None:
     """``out[:] = data``, with the GIL released for a large copy (into or out of an aligned buffer).
 
-    A slice assignment holds the GIL while it copies (1.5 ms per 16 MiB here),
-    and the training thread waits for the GIL after every step: an async save
-    copying this way slowed a compute loop by 1.47x, where buffered writes
-    (whose copy runs inside ``write``, without the GIL) cost 1.16x. numpy's
-    copy releases it.
+    A slice assignment holds the GIL while it copies, and the training thread
+    waits for the GIL after every step: an async save copying this way slows
+    a compute loop more than buffered writes do (whose copy runs inside
+    ``write``, without the GIL). numpy's copy releases it.
     """
     if len(out) < _GIL_FREE:
         out[:] = data

@@ -2,9 +2,8 @@
 
 ``get_model_state_dict`` and ``get_optimizer_state_dict`` rebuild their view
 of the model on every call (every module and parameter walked, FQN maps,
-wrapper checks): about 3 ms each for a 75-tensor transformer on this
-project's VM, 15% of an async save's blocking time at 1 GiB. For a model they
-only rename (plain, DDP, ``torch.compile``, FSDP2: no FSDP1 state-dict
+wrapper checks), a visible share of an async save's blocking time. For a
+model they only rename (plain, DDP, ``torch.compile``, FSDP2: no FSDP1 state-dict
 context), the answer depends on nothing but ``model.state_dict()``'s keys and
 the optimizer's parameters. :class:`StateDicts` asks the helpers once, checks
 that renaming ``model.state_dict()`` and ``optimizer.state_dict()`` gives the

@@ -1,9 +1,8 @@
 """Many tensor archives of known shapes read with one ``preadv``, as one large sequential read.
 
 One request per archive leaves a disk one request deep and idle while each
-archive is handled: on this project's disk, 2-4 MB reads ran at 1.5 GB/s
-where one ``readv`` of the whole file ran at 2.3. The bytes of an archive
-whose shape (:class:`~safeckpt._storage.torchsave.reader._ArchiveShape`) can be guessed go to
+archive is handled: far slower than one ``readv`` of the whole file. The bytes
+of an archive whose shape (:class:`~safeckpt._storage.torchsave.reader._ArchiveShape`) can be guessed go to
 their places without reading its head first: its prefix and tail into small
 buffers, the tensor's bytes into the destination. The guess comes from DCP's
 metadata (the dtype and sizes of the saved chunk: the archive safeckpt and

@@ -1,6 +1,6 @@
 """A cold shard's first windows, read with ``O_DIRECT`` while the restore is still planning.
 
-A restore spends 25-45 ms on this project's VM (the record, DCP's metadata,
+A restore reads and plans (the record, DCP's metadata,
 the state's templates, DCP's load planning) before it asks for a tensor's
 first byte, and the disk does nothing meanwhile. Read-ahead into the page
 cache cannot help a file that is read with ``O_DIRECT`` (it would turn the

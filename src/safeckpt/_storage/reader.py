@@ -435,7 +435,7 @@ class RawFileSystemReader(FileSystemReader):
 def _fillable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or where filling it in place would be refused its view outside autograd (a
     parameter, a tensor that requires grad, an inference tensor: ``copy_`` into it is refused outside
-    inference mode, into its view it is not). The view costs a Python object (0.5 us per tensor)."""
+    inference mode, into its view it is not). The view costs a Python object per tensor."""
     plain = type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.is_inference()
     return tensor if plain else tensor.detach()
 

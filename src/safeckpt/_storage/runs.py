@@ -2,7 +2,7 @@
 
 A state of 10,000 small tensors is 10,000 archives of a few KiB each. Handled
 one by one (:class:`~safeckpt._storage.batching.Planned`: three buffers, a prefix and
-a tail compared, a copy), Python spends about 30 us on each, ten times what
+a tail compared, a copy), Python spends many times longer on each than
 the disk needs to read it. Consecutive archives of one length whose shape is
 known (:class:`~safeckpt._storage.torchsave.reader._ArchiveShape`) are instead read into one
 buffer, one row per archive, and handled with a few torch calls per run: the

@@ -1,8 +1,8 @@
 """DCP storage that moves tensor bytes once, in the format plain ``dcp.load`` reads.
 
 DCP's ``FileSystemWriter`` writes every tensor with ``torch.save`` into the
-rank's ``.distcp`` file: a small zip archive whose CRC32 miniz computes at about
-1 GB/s, more CPU time than writing the bytes. Its ``FileSystemReader`` then
+rank's ``.distcp`` file: a small zip archive whose CRC32 miniz computes slowly,
+more CPU time than writing the bytes. Its ``FileSystemReader`` then
 ``torch.load``\\ s each archive into a fresh tensor through small buffered reads
 and copies that into the destination: two copies of every byte.
 

@@ -3,9 +3,8 @@
 A restore of 10,000 tensors allocates hundreds of thousands of short-lived
 objects (DCP's read items and sizes, views, buffers); every few hundred
 allocations start a collection, and the full ones walk every object the
-process holds, the model's and the training loop's included. On this
-project's VM a cold 10,000-tensor restore took 1.11-1.49 s with the collector
-running and 0.61-0.71 s with it paused. What a save or a restore creates is
+process holds, the model's and the training loop's included: paused, such a
+restore takes far less time. What a save or a restore creates is
 freed by reference counting; cyclic garbage made meanwhile waits for the next
 collection after the pause.
 
