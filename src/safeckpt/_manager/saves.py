@@ -60,6 +60,7 @@ class SaveJob(Flight):
             pool.release(self.slot)
         self.slot = None
 
+
 logger = logging.getLogger(__name__)
 
 
