@@ -3,7 +3,9 @@
 Every save is queued, writing, committed, cancelled or failed, and both the
 background writer and retention act on this view, under its lock: a removal
 is a decision about the view, never a blind ``rm`` of a path. Rank 0's view is
-authoritative; the other ranks track only their own jobs and failures.
+authoritative; the other ranks track only their own jobs and failures. The
+saves in flight are a :class:`~safeckpt._manager.ledger.SaveLedger` keyed by
+step, sharing the view's lock.
 
 Lock order: the sidecar lock may be held when the view lock is taken, never
 the other way round.
@@ -23,13 +25,12 @@ from typing import Any
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo, Policy, Retention, explain, plan_removals
 from ..errors import CheckpointError
-from .background import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, StagingPool, StagingSlot
-
-TERMINAL = (COMMITTED, CANCELLED, FAILED)
+from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
+from .ledger import Flight, SaveLedger
 
 
 @dataclass(eq=False)
-class SaveJob:
+class SaveJob(Flight):
     """One save, from ``save()`` to its outcome.
 
     ``status`` changes only through :class:`SaveView` (under its lock), and a
@@ -46,16 +47,8 @@ class SaveJob:
     time: float
     pinned: bool = False
     slot: StagingSlot | None = None
-    status: str = QUEUED
-    cancel_requested: bool = False
     committed_here: bool = False  # rank 0 committed it (set by the commit itself)
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
-
-    @property
-    def ended(self) -> bool:
-        return self.status in TERMINAL
 
     def info(self) -> CheckpointInfo:
         return CheckpointInfo(self.step, self.metrics, self.time, self.pinned)
@@ -104,10 +97,10 @@ class SaveView:
     """Committed checkpoints, ``latest``, saves in flight and failures not yet raised."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the ledger's too: one decision sees both
         self._committed: dict[int, Committed] = {}
         self._latest: int | None = None
-        self._jobs: list[SaveJob] = []  # queued and writing, in submission order
+        self._jobs: SaveLedger[int, SaveJob] = SaveLedger(self._lock)  # queued and writing, by step
         self._failures: dict[int, CheckpointError] = {}  # seq -> error not raised yet
         self._next_seq = 1  # commit sequence (records order commits by it)
         self._reported: set[int] = set()
@@ -203,21 +196,15 @@ class SaveView:
     def newest_step(self, *, ignore: Iterable[int] = ()) -> int | None:
         """The highest step committed or in flight, but for committed steps in ``ignore``."""
         with self._lock:
-            known = (set(self._committed) - set(ignore)) | {j.step for j in self._jobs}
+            known = (set(self._committed) - set(ignore)) | set(self._jobs.keys())
         return max(known, default=None)
 
     def add(self, job: SaveJob) -> None:
-        with self._lock:
-            self._jobs.append(job)
+        self._jobs.add(job.step, job)
 
     def start(self, job: SaveJob, cancel: bool) -> None:
         """The writer picked ``job`` up: it is cancelled (and leaves the view) or being written."""
-        with self._lock:
-            if job.ended:
-                return
-            job.status = CANCELLED if cancel else WRITING
-            if cancel:
-                self._drop(job)
+        self._jobs.start(job, cancel=cancel)
 
     def finish(self, job: SaveJob, status: str, error: BaseException | None = None) -> bool:
         """``job`` left flight as ``status``; an ``error`` is kept until it is raised.
@@ -225,14 +212,9 @@ class SaveView:
         Only the first terminal state counts (a failure while cleaning up after
         a failure does not end the job twice); returns whether this one did.
         """
-        if status not in TERMINAL:
-            raise ValueError(f"not a terminal state: {status!r}")
         with self._lock:
-            if job.ended:
+            if not self._jobs.finish(job, status, error):
                 return False
-            job.status = status
-            job.error = error
-            self._drop(job)
             if error is not None and job.seq not in self._reported:
                 self._failures[job.seq] = error  # type: ignore[assignment]
             return True
@@ -240,16 +222,12 @@ class SaveView:
     def pin_jobs(self, step: int, pinned: bool) -> bool:
         """Pin (or unpin) the saves of ``step`` in flight; whether there were any."""
         with self._lock:
-            jobs = [j for j in self._jobs if j.step == step]
+            jobs = self._jobs.in_flight(step)
             for job in jobs:
                 job.pinned = pinned
                 if pinned:
-                    job.cancel_requested = False
+                    self._jobs.withdraw_cancel(job)
             return bool(jobs)
-
-    def _drop(self, job: SaveJob) -> None:
-        if job in self._jobs:
-            self._jobs.remove(job)
 
     # --- failures ------------------------------------------------------------------------
 
@@ -273,26 +251,21 @@ class SaveView:
         being written, nor the checkpoint ``latest`` names.
         """
         with self._lock:
+            jobs = self._jobs.in_flight()
             # Only a queued save older than the newest can be marked. Without one (the usual
             # case: one save in flight) there is nothing to decide: skip the O(checkpoints) plan.
-            if not any(j.status == QUEUED and not j.cancel_requested for j in self._jobs[:-1]):
+            if not any(j.status == QUEUED and not j.cancel_requested for j in jobs[:-1]):
                 return []
-            pending = {j.step for j in self._jobs}
+            pending = {j.step for j in jobs}
             infos = {c.record.step: c.info() for s, c in self._committed.items() if s not in pending}
-            infos.update({j.step: j.info() for j in self._jobs})  # a re-save supersedes
-            protected = {j.step for j in self._jobs if j.status == WRITING}
-            protected.add(self._jobs[-1].step)
+            infos.update({j.step: j.info() for j in jobs})  # a re-save supersedes
+            protected = {j.step for j in jobs if j.status == WRITING}
+            protected.add(jobs[-1].step)
             if self._latest is not None:
                 protected.add(self._latest)
             drop = plan_removals(list(infos.values()), policy, protected)
-            marked = [
-                j
-                for j in self._jobs
-                if j.status == QUEUED and j.step in drop and not j.cancel_requested and not j.pinned
-            ]
-            for job in marked:
-                job.cancel_requested = True
-            return marked
+            # Marked, not cancelled: the writer cancels it once every rank agrees (see start).
+            return [j for j in jobs if j.step in drop and not j.pinned and self._jobs.request_cancel(j)]
 
     def prune_plan(self, policy: Policy, *, held: Iterable[int] = ()) -> frozenset[int]:
         """Committed steps ``policy`` drops, judged by committed checkpoints only.
@@ -303,7 +276,7 @@ class SaveView:
         """
         with self._lock:
             infos = [c.info() for c in self._committed.values()]
-            protected = {j.step for j in self._jobs} | set(held)
+            protected = set(self._jobs.keys()) | set(held)
             if self._latest is not None:
                 protected.add(self._latest)
             return plan_removals(infos, policy, protected)
@@ -312,7 +285,7 @@ class SaveView:
         """Committed and in-flight checkpoints, by step, with why each is kept."""
         with self._lock:
             committed = dict(self._committed)
-            jobs = list(self._jobs)
+            jobs = self._jobs.in_flight()
             latest = self._latest
         infos = [c.info() for c in committed.values()]
         reasons = explain(infos, retention, {latest: "latest"} if latest is not None else {})

@@ -4,8 +4,8 @@ Lightning's ``AsyncCheckpointIO`` hands each save to a thread pool and lets
 ``remove_checkpoint`` delete a path blindly; a top-k removal that reaches a save
 still in the queue finds nothing, and the write then creates the file: a stale
 checkpoint ``ModelCheckpoint`` believes it deleted. Here every save of a path
-has a state (queued, writing, committed) under one lock, and a removal is a
-decision about that state:
+is in the core's :class:`~safeckpt._manager.ledger.SaveLedger` (the mechanism
+the manager's saves use, keyed by path), and a removal is a decision about it:
 
 * queued: the save is cancelled and never written;
 * writing: the file is removed right after its write ends, never during it;
@@ -29,8 +29,8 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from .._format.layout import Layout
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._fs.lock import SidecarLock
-from .._manager.background import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, BackgroundWriter, StagingPool
+from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPool
+from .._manager.ledger import Flight, SaveLedger
 from .._root.removal import Deleter
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
 from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
@@ -60,17 +61,17 @@ def _keep_on_cpu(storage: Any, location: str) -> Any:
 
 
 @dataclass(eq=False)
-class _Save:
-    """One save of one path. ``status`` and ``remove_after`` change under the plugin's state lock."""
+class _Save(Flight):
+    """One save of one path: what to write; its state is the ledger's.
+
+    ``data`` and ``slot`` belong to whoever moved it out of the queue: the
+    canceller (training thread) or the writer (which started it).
+    """
 
     seq: int
     path: Path
     data: Any
     slot: CheckpointSlot | None
-    status: str = QUEUED
-    remove_after: bool = False
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
 
     @property
     def step(self) -> int:  # BackgroundWriter names a job by its step in its logs
@@ -125,8 +126,8 @@ class SafeCheckpointIO(CheckpointIO):
         self.lock_timeout = lock_timeout
         self.retry_interval = retry_interval
         self._ops = file_ops or DEFAULT_FILE_OPS
-        self._state = threading.Lock()  # guards _inflight, _error and every _Save's status
-        self._inflight: dict[Path, list[_Save]] = {}  # queued and writing saves, per path, in order
+        self._saves: SaveLedger[Path, _Save] = SaveLedger()  # queued and writing, by path
+        self._error_lock = threading.Lock()
         self._error: BaseException | None = None
         self._seq = 0
         self._writer: BackgroundWriter | None = None
@@ -165,13 +166,12 @@ class SafeCheckpointIO(CheckpointIO):
         except BaseException:
             pool.release(slot)
             raise
-        with self._state:
-            self._seq += 1
-            job = _Save(self._seq, target, data, slot)
-            for older in list(self._inflight.get(target, ())):  # _cancel edits the list
-                if older.status == QUEUED:  # superseded: this save writes the same path later
-                    self._cancel(older)
-            self._inflight.setdefault(target, []).append(job)
+        self._seq += 1
+        job = _Save(self._seq, target, data, slot)
+        with self._saves.lock:
+            # Superseded: this save writes the same path later.
+            self._cancelled(self._saves.cancel_queued(target))
+            self._saves.add(target, job)
         writer.submit(job)
 
     def load_checkpoint(
@@ -183,10 +183,7 @@ class SafeCheckpointIO(CheckpointIO):
         """Load ``path`` with ``torch.load`` (waiting first for this plugin's saves of it)."""
         self._raise_pending()
         target = _local_path(path)
-        with self._state:
-            pending = list(self._inflight.get(target, ()))
-        for job in pending:
-            job.done.wait()
+        self._saves.wait(target)
         self._raise_pending()
         if not target.exists():
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}", path=str(target))
@@ -198,18 +195,10 @@ class SafeCheckpointIO(CheckpointIO):
         if not _is_rank_zero():
             return
         target = _local_path(path)
-        writing = False
-        with self._state:
-            for job in list(self._inflight.get(target, ())):  # _cancel edits the list
-                if job.status == QUEUED:
-                    self._cancel(job)
-                elif job.status == WRITING and not job.remove_after:
-                    job.remove_after = True  # the writer trashes it once the file is whole
-                    self.removed_after_write += 1
-                    writing = True
-                elif job.status == WRITING:
-                    writing = True
-        if not writing:
+        removal = self._saves.remove(target)  # a save being written: the writer trashes it after
+        self._cancelled(removal.cancelled)
+        self.removed_after_write += len(removal.deferred)
+        if not removal.writing:
             # No save of this path is queued or writing now, and the single writer starts
             # none before the next save_checkpoint: the file on disk is committed.
             self._discard(target)
@@ -245,24 +234,24 @@ class SafeCheckpointIO(CheckpointIO):
 
     def pending_paths(self) -> list[Path]:
         """Paths with a save queued or being written, oldest first."""
-        with self._state:
-            return sorted(self._inflight, key=lambda p: self._inflight[p][0].seq)
+        return self._saves.keys()
 
     # --- the mechanism -----------------------------------------------------------------
 
     def _start(self) -> tuple[BackgroundWriter, StagingPool]:
         if self._writer is None or self._pool is None:
             self._pool = StagingPool(self.queue_depth, slot=CheckpointSlot)
-            self._writer = BackgroundWriter(self._persist, name="safeckpt-lightning-writer")
+            self._writer = BackgroundWriter(
+                self._persist, name="safeckpt-lightning-writer", on_crash=self._crashed
+            )
         return self._writer, self._pool
 
-    def _cancel(self, job: _Save) -> None:
-        """Under the state lock: a queued save is dropped; its buffers go back at once."""
-        job.status = CANCELLED
-        self.cancelled += 1
-        self._release(job)
-        self._forget(job)
-        logger.info("safeckpt: cancelled the queued save of %s (removed before it was written)", job.path)
+    def _cancelled(self, jobs: Iterable[_Save]) -> None:
+        """Saves the ledger cancelled while queued: their buffers go back at once."""
+        for job in jobs:
+            self.cancelled += 1
+            self._release(job)
+            logger.info("safeckpt: cancelled the queued save of %s (removed before it was written)", job.path)
 
     def _release(self, job: _Save) -> None:
         job.data = None
@@ -270,20 +259,11 @@ class SafeCheckpointIO(CheckpointIO):
             self._pool.release(job.slot)
         job.slot = None
 
-    def _forget(self, job: _Save) -> None:
-        jobs = self._inflight.get(job.path)
-        if jobs is not None and job in jobs:
-            jobs.remove(job)
-            if not jobs:
-                del self._inflight[job.path]
-
     def _persist(self, job: _Save) -> None:
         """Writer thread: write one save unless it was cancelled; trash it after if it was removed."""
-        with self._state:
-            if job.status == CANCELLED:
-                return
-            job.status = WRITING
-            data = job.data
+        if not self._saves.start(job):
+            return  # cancelled while queued
+        data = job.data
         error: BaseException | None = None
         try:
             write_checkpoint(job.path, data, self._ops)
@@ -291,27 +271,35 @@ class SafeCheckpointIO(CheckpointIO):
             error = e
         finally:
             del data
-            with self._state:
-                self._release(job)
-        with self._state:
-            self._forget(job)
-            job.status = FAILED if error is not None else COMMITTED
-            remove = job.remove_after
-            if error is not None:
-                job.error = SaveFailedError(
-                    f"writing the checkpoint {job.path} failed ({type(error).__name__}: {error}); the "
-                    "file is unchanged (a previous version, if any, is intact). Check the disk and "
-                    "its permissions; training can go on.",
-                    path=str(job.path),
-                    cause=error,
-                )
-                job.error.__cause__ = error
-                if self._error is None:
-                    self._error = job.error
-                else:
-                    logger.error("safeckpt: %s", job.error)
-        if remove and error is None:
+            self._release(job)
+        if error is None:
+            self._saves.finish(job, COMMITTED)
+        else:
+            failure = SaveFailedError(
+                f"writing the checkpoint {job.path} failed ({type(error).__name__}: {error}); the "
+                "file is unchanged (a previous version, if any, is intact). Check the disk and "
+                "its permissions; training can go on.",
+                path=str(job.path),
+                cause=error,
+            )
+            failure.__cause__ = error
+            self._saves.finish(job, FAILED, failure)
+            self._fail(failure)
+        # Ended, so no removal can mark it any more: remove_after is final here.
+        if job.remove_after and error is None:
             self._discard(job.path)
+
+    def _crashed(self, job: _Save, error: BaseException) -> None:
+        """Writer thread: ``_persist`` raised past its own handling; the save failed."""
+        self._release(job)
+        self._saves.finish(job, FAILED, error)
+
+    def _fail(self, error: SaveFailedError) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+                return
+        logger.error("safeckpt: %s", error)
 
     def _discard(self, target: Path) -> None:
         """Rename a committed file into ``<dir>/.trash/`` and let the deleter remove it."""
@@ -360,7 +348,7 @@ class SafeCheckpointIO(CheckpointIO):
             return d
 
     def _raise_pending(self) -> None:
-        with self._state:
+        with self._error_lock:
             error, self._error = self._error, None
         if error is not None:
             raise error
