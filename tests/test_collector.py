@@ -85,7 +85,7 @@ def test_save_restore_and_load_run_with_the_collector_paused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     state = {"layers": {i: torch.randn(16) for i in range(50)}}
-    captured = _spy(monkeypatch, safeckpt._manager.manager, "capture")
+    captured = _spy(monkeypatch, safeckpt._manager.saver, "capture")
     saved = _spy(monkeypatch, dcp_io, "save")
     loaded = _spy(monkeypatch, dcp_io, "load_flat")
     checked = _spy(monkeypatch, resume, "check_own_files")  # before the load: the record's parse
