@@ -1,0 +1,199 @@
+"""A checkpoint root on a POSIX filesystem: the :class:`~safeckpt._store.Store` on ``_fs``.
+
+Every mutation goes through the root's :class:`~safeckpt._fs.fileops.FileOps`,
+so the fault injection of the tests reaches all of them. Directory commits use
+``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (two renames and a
+displaced copy where it has not: NFS, FUSE); small files are written through a
+temp file, fsync, ``os.replace`` and a directory fsync; DCP's data files go
+through ``O_DIRECT`` where the filesystem takes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from .._fs.atomic import atomic_write, read_pointer, replace_dir, swap_pointer
+from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
+from .._fs.lock import SidecarLock
+from .._fs.safe_open import open_regular, read_fd, read_small
+from .._storage.prefetch import prefetch
+from .._storage.writer import RawFileSystemWriter
+from .._store.base import DIR, FILE, LINK, OTHER, Entry
+from .readers import PosixDcpOwnReader, PosixDcpReader
+
+LOCK_NAME = ".lock"
+
+
+class PosixStore:
+    """A root directory on a POSIX filesystem (see :mod:`safeckpt._store.base` for the contract)."""
+
+    def __init__(self, root: str | os.PathLike[str], ops: FileOps | None = None) -> None:
+        self.root = Path(root).absolute()
+        self.ops = ops or DEFAULT_FILE_OPS
+        self.url = str(self.root)
+
+    def __repr__(self) -> str:
+        return f"PosixStore({str(self.root)!r})"
+
+    def path(self, name: str = "") -> Path:
+        """The path of ``name``; a name that would leave the root is a programming error."""
+        if not name:
+            return self.root
+        parts = name.split("/")
+        if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"not a name inside a root: {name!r}")
+        return self.root.joinpath(*parts)
+
+    def where(self, name: str = "") -> Path:
+        return self.path(name)
+
+    # --- names ---------------------------------------------------------------
+
+    def entries(self, name: str = "") -> list[Entry]:
+        """What is in directory ``name``, by name; never through a link (a linked directory is empty)."""
+        path = self.path(name)
+        if os.path.islink(path):
+            return []
+        try:
+            with os.scandir(path) as it:
+                found = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for item in found:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed since the listing
+                continue
+            out.append(Entry(item.name, _kind(info.st_mode), info.st_size if stat.S_ISREG(info.st_mode) else 0))
+        return sorted(out, key=lambda e: e.name)
+
+    def entry(self, name: str) -> Entry | None:
+        try:
+            info = os.lstat(self.path(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        size = info.st_size if stat.S_ISREG(info.st_mode) else 0
+        return Entry(self.path(name).name, _kind(info.st_mode), size)
+
+    def make_dir(self, name: str) -> None:
+        os.makedirs(self.path(name), exist_ok=True)
+
+    def move(self, src: str, dst: str) -> None:
+        self.ops.replace(self.path(src), self.path(dst))
+
+    def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
+        return replace_dir(self.path(staged), self.path(final), self.path(displaced), self.path(retired), self.ops)
+
+    def remove(self, name: str) -> None:
+        self.ops.rmtree(self.path(name))
+
+    def sync(self, name: str = "") -> None:
+        self.ops.fsync_dir(self.path(name))
+
+    # --- files -----------------------------------------------------------------
+
+    def read_small(self, name: str, *, limit: int, what: str) -> bytes:
+        return read_small(self.path(name), limit=limit, what=what)
+
+    def open_read(self, name: str) -> _Handle:
+        path = self.path(name)
+        fd, info = open_regular(path)
+        return _Handle(fd, info.st_size)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        atomic_write(self.path(name), data, self.ops)
+
+    def write_new(self, name: str, data: bytes) -> None:
+        self.ops.write_file(self.path(name), data)
+
+    def read_pointer(self, name: str) -> str | None:
+        return read_pointer(self.path(name))
+
+    def write_pointer(self, name: str, target: str) -> None:
+        swap_pointer(self.path(name), target, self.ops)
+
+    # --- checkpoints' bytes (DCP) ------------------------------------------------
+
+    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any:
+        options: dict[str, Any] = dict(sync_files=True, single_file_per_rank=True, thread_count=1)
+        if dcp_own:
+            return FileSystemWriter(self.path(directory), **options)
+        return RawFileSystemWriter(self.path(directory), direct_io=direct_io, **options)
+
+    def dcp_reader(
+        self,
+        directory: str,
+        *,
+        checksums: Mapping[str, Any] | None,
+        step: int | None,
+        direct_io: bool,
+        dcp_own: bool,
+        metadata: Callable[[], Any],
+    ) -> Any:
+        reader = PosixDcpOwnReader if dcp_own else PosixDcpReader
+        return reader(self.path(directory), checksums=checksums, step=step, direct_io=direct_io, metadata=metadata)
+
+    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+        return prefetch(self.path(directory), rank, direct_io=direct_io)
+
+    # --- the root as a whole -------------------------------------------------------
+
+    def lock(self, *, timeout: float) -> SidecarLock:
+        return SidecarLock(self.path(LOCK_NAME), timeout=timeout)
+
+    def free_space(self) -> int | None:
+        for candidate in (self.root, *self.root.parents):
+            if os.path.lexists(candidate):
+                try:
+                    return shutil.disk_usage(candidate).free
+                except OSError:
+                    return None
+        return None
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return LINK
+    if stat.S_ISDIR(mode):
+        return DIR
+    if stat.S_ISREG(mode):
+        return FILE
+    return OTHER
+
+
+class _Handle:
+    """An open regular file of a root (opened without following a link, size as opened)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self.size = size
+
+    def read(self, offset: int, length: int) -> bytes:
+        return read_fd(self._fd, offset, length)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_store(root: str | os.PathLike[str], ops: FileOps | None = None) -> PosixStore:
+    """The store of ``root``: a local directory (created on first write, not here)."""
+    return PosixStore(root, ops)
