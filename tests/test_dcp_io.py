@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from safeckpt import CheckpointManager
 from safeckpt._dcp import io as dcp_io
-from safeckpt._dcp.io import METADATA_NAME, SafeFileSystemReader, SafeLoadPlanner, load, read_metadata, save
+from safeckpt._dcp.io import METADATA_NAME, SafeLoadPlanner, load, read_metadata, reader_for, save
 from safeckpt._format.checksums import FileChecksum
 from safeckpt._format.record import list_files, read_record, write_record
 from safeckpt._fs.fileops import FileOps
@@ -136,7 +136,7 @@ def test_read_metadata_admits_what_dcp_metadata_is_made_of(root: Path) -> None:
 
 def test_the_safe_reader_is_a_filesystem_reader(root: Path) -> None:
     save({"w": torch.ones(2)}, root, None)
-    reader = SafeFileSystemReader(root)
+    reader = reader_for(root)
     metadata = reader.read_metadata()
     assert metadata.storage_meta is not None and metadata.storage_meta.load_id == reader.load_id
     target = {"w": torch.zeros(2)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 import time
 from pathlib import Path
@@ -20,18 +19,6 @@ from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 READ_CHUNK = 8 << 20
 
 
-_FLAT_NAME = re.compile(r"[^/\\\x00]+")
-
-
-def check_member_name(name: str, *, where: str) -> None:
-    """A file a checkpoint names must be a plain name inside it: no ``/``, no ``..``, not absolute."""
-    if not isinstance(name, str) or not _FLAT_NAME.fullmatch(name) or name in (".", ".."):
-        raise UnsafeCheckpointError(
-            f"{where} names the file {name!r}, which is not inside the checkpoint (absolute, with "
-            "'..' or a directory part). safeckpt reads only files inside a checkpoint; the "
-            "checkpoint was modified. Restore another one.",
-            path=where,
-        )
 
 
 def open_regular(path: Path) -> tuple[int, os.stat_result]:

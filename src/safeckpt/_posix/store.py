@@ -27,6 +27,8 @@ from .._fs.safe_open import open_regular, read_fd, read_small
 from .._storage.prefetch import prefetch
 from .._storage.writer import RawFileSystemWriter
 from .._store.base import DIR, FILE, LINK, OTHER, Entry
+from .._store.registry import LOCAL, register
+from .errors import explain_error
 from .readers import PosixDcpOwnReader, PosixDcpReader
 
 LOCK_NAME = ".lock"
@@ -73,7 +75,9 @@ class PosixStore:
                 info = item.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed since the listing
                 continue
-            out.append(Entry(item.name, _kind(info.st_mode), info.st_size if stat.S_ISREG(info.st_mode) else 0))
+            out.append(
+                Entry(item.name, _kind(info.st_mode), info.st_size if stat.S_ISREG(info.st_mode) else 0)
+            )
         return sorted(out, key=lambda e: e.name)
 
     def entry(self, name: str) -> Entry | None:
@@ -91,7 +95,9 @@ class PosixStore:
         self.ops.replace(self.path(src), self.path(dst))
 
     def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
-        return replace_dir(self.path(staged), self.path(final), self.path(displaced), self.path(retired), self.ops)
+        return replace_dir(
+            self.path(staged), self.path(final), self.path(displaced), self.path(retired), self.ops
+        )
 
     def remove(self, name: str) -> None:
         self.ops.rmtree(self.path(name))
@@ -114,6 +120,9 @@ class PosixStore:
 
     def write_new(self, name: str, data: bytes) -> None:
         self.ops.write_file(self.path(name), data)
+
+    def open_write(self, name: str) -> _WriteHandle:
+        return _WriteHandle(open(self.path(name), "wb"))
 
     def read_pointer(self, name: str) -> str | None:
         return read_pointer(self.path(name))
@@ -140,7 +149,9 @@ class PosixStore:
         metadata: Callable[[], Any],
     ) -> Any:
         reader = PosixDcpOwnReader if dcp_own else PosixDcpReader
-        return reader(self.path(directory), checksums=checksums, step=step, direct_io=direct_io, metadata=metadata)
+        return reader(
+            self.path(directory), checksums=checksums, step=step, direct_io=direct_io, metadata=metadata
+        )
 
     def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
         return prefetch(self.path(directory), rank, direct_io=direct_io)
@@ -150,6 +161,12 @@ class PosixStore:
     def lock(self, *, timeout: float) -> SidecarLock:
         return SidecarLock(self.path(LOCK_NAME), timeout=timeout)
 
+    def explain_error(self, error: OSError) -> tuple[str, str]:
+        return explain_error(self.root, error)
+
+    def sleep(self, seconds: float) -> None:
+        self.ops.sleep(seconds)
+
     def free_space(self) -> int | None:
         for candidate in (self.root, *self.root.parents):
             if os.path.lexists(candidate):
@@ -158,6 +175,35 @@ class PosixStore:
                 except OSError:
                     return None
         return None
+
+
+class _WriteHandle:
+    """A new local file; ``close`` fsyncs it, so it is durable once closed."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self._file.write(data)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            finally:
+                self._file.close()
+
+    def __enter__(self) -> _WriteHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()  # the caller removes what was written
 
 
 def _kind(mode: int) -> str:
@@ -194,6 +240,4 @@ class _Handle:
         self.close()
 
 
-def open_store(root: str | os.PathLike[str], ops: FileOps | None = None) -> PosixStore:
-    """The store of ``root``: a local directory (created on first write, not here)."""
-    return PosixStore(root, ops)
+register(LOCAL, PosixStore)

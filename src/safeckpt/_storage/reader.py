@@ -32,6 +32,7 @@ from torch.futures import Future
 from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_file
 from .._fs.direct_read import DirectFileReader
 from .._fs.safe_open import open_regular
+from .._store.base import ItemInfos
 from .batching import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .prefetch import advise
 from .prefetch import lookup as early_lookup
@@ -40,14 +41,9 @@ from .torchsave.reader import _WINDOW, _Archive, _ArchiveShape, _Layout, preadv_
 from .torchsave.shapes import ArchiveShapes
 from .torchsave.writer import _bytes_of, raw_path_available
 
-__all__ = ["ItemInfos", "RawFileSystemReader"]
+__all__ = ["RawFileSystemReader"]
 
 _AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
-
-
-class ItemInfos(list):  # type: ignore[type-arg]
-    """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
-    order, as that plan's ``storage_data``: set by a planner that looked them up already."""
 
 
 class RawFileSystemReader(FileSystemReader):

@@ -7,6 +7,24 @@ for POSIX filesystems is :class:`safeckpt._posix.PosixStore`. The contract is
 in :mod:`.base` and ``docs/architecture.md``.
 """
 
-from .base import DIR, FILE, LINK, OTHER, Entry, Lock, ReadHandle, Store, join, leaf, parent
+from .base import DIR, FILE, LINK, OTHER, Entry, Loc, Lock, ReadHandle, Store, join, leaf, parent
+from .registry import as_loc, as_root, open_store, register
 
-__all__ = ["DIR", "FILE", "LINK", "OTHER", "Entry", "Lock", "ReadHandle", "Store", "join", "leaf", "parent"]
+__all__ = [
+    "DIR",
+    "FILE",
+    "LINK",
+    "OTHER",
+    "Entry",
+    "Loc",
+    "Lock",
+    "ReadHandle",
+    "Store",
+    "as_loc",
+    "as_root",
+    "join",
+    "leaf",
+    "open_store",
+    "parent",
+    "register",
+]

@@ -72,6 +72,69 @@ def leaf(name: str) -> str:
     return posixpath.basename(name)
 
 
+class Loc:
+    """A name inside one store's root: the currency of the layers above the seam.
+
+    Path arithmetic only (``loc / "metadata.json"``, ``.name``, ``.parent``); every
+    operation on what it names goes through ``loc.store`` with ``loc.key``. It is
+    shown (``str()``) as the store shows the name: a path for a local root.
+    """
+
+    __slots__ = ("key", "store")
+
+    def __init__(self, store: Store, key: str = "") -> None:
+        self.store = store
+        self.key = key
+
+    def __truediv__(self, part: str) -> Loc:
+        return Loc(self.store, join(self.key, part))
+
+    @property
+    def name(self) -> str:
+        return leaf(self.key)
+
+    @property
+    def parent(self) -> Loc:
+        return Loc(self.store, parent(self.key))
+
+    @property
+    def where(self) -> Path | str:
+        """How a person names it: a ``Path`` for a local root, else the store's URL and the name."""
+        return self.store.where(self.key)
+
+    def entry(self) -> Entry | None:
+        """What is at this name (never through a link), or None."""
+        return self.store.entry(self.key)
+
+    def __str__(self) -> str:
+        return str(self.where)
+
+    def __repr__(self) -> str:
+        return f"Loc({self.store.url!r}, {self.key!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Loc) and other.store.url == self.store.url and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash((self.store.url, self.key))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Across processes (other ranks) a name travels as its root's URL: the receiver opens
+        # that root's store itself.
+        return (_loc_at, (self.store.url, self.key))
+
+
+def _loc_at(url: str, key: str) -> Loc:
+    from .registry import open_store  # the registry imports this module
+
+    return Loc(open_store(url), key)
+
+
+class ItemInfos(list):  # type: ignore[type-arg]
+    """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
+    order, as that plan's ``storage_data``: set by a planner that looked them up already."""
+
+
 class ReadHandle(Protocol):
     """An open regular file: its size when opened, and reads of any range of it."""
 
@@ -80,6 +143,18 @@ class ReadHandle(Protocol):
     def read(self, offset: int, length: int) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+class WriteHandle(Protocol):
+    """A new file being written in order; durable once ``close`` returns (a context manager)."""
+
+    def write(self, data: bytes | memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
 
 
 class Lock(Protocol):
@@ -136,6 +211,8 @@ class Store(Protocol):
 
     def write_new(self, name: str, data: bytes) -> None: ...
 
+    def open_write(self, name: str) -> WriteHandle: ...
+
     def read_pointer(self, name: str) -> str | None: ...
 
     def write_pointer(self, name: str, target: str) -> None: ...
@@ -161,3 +238,11 @@ class Store(Protocol):
     def lock(self, *, timeout: float) -> Lock: ...
 
     def free_space(self) -> int | None: ...
+
+    def explain_error(self, error: OSError) -> tuple[str, str]:
+        """What ``error`` (met on this store) means in words, and what to do about it."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Wait between retries (a seam: the tests count the waits, and need not sleep them)."""
+        ...
