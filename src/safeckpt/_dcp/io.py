@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from .._format.checksums import FileChecksum, parse_checksums, read_verified
 from .._format.layout import check_member_name
 from .._format.record import Record, read_record
-from .._store.base import ItemInfos, Loc
-from .._store.registry import as_loc
+from .._store.base import ItemInfos
+from .._store.loc import Loc, as_loc
 from .._util.forksafe import reset_in_child
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from . import options
@@ -58,6 +58,7 @@ def _quiet_single_process() -> Iterator[None]:
             category=UserWarning,
         )
         yield
+
 
 _ALLOWED_GLOBALS: set[tuple[str, str]] = {
     ("torch", "Size"),
@@ -281,8 +282,6 @@ def _reset_in_child() -> None:
     _last_parsed_lock = threading.Lock()  # it may have been held by a thread the child does not have
     _keeping = 0
     _forget()
-
-
 
 
 def reader_for(directory: Loc | str | os.PathLike[str], record: Record | None = None) -> Any:

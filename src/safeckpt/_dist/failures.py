@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._store.base import Loc
+from .._store.loc import Loc
 from ..errors import RootNotWritableError, SaveFailedError
 
 

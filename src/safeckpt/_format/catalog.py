@@ -13,8 +13,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .._store.base import Loc, Store
-from .._store.registry import as_loc, as_root
+from .._store.base import Store
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .layout import DAMAGED_NOTE, REPLACED, Layout, parse_step_dirname, parse_trash_name
 from .record import Record, missing_or_wrong_files, read_record

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._store.base import Loc
+from .._store.base import ReadHandle
+from .._store.loc import Loc
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 
 try:  # hardware CRC32 (PCLMULQDQ), same values as zlib.crc32
@@ -235,25 +236,37 @@ def verify_file(
 ) -> None:
     """Read all of ``path`` and check every segment; raises on the first mismatch."""
     with path.store.open_read(path.key) as handle:
-        if handle.size != checksum.size:
-            raise IncompleteCheckpointError(
-                f"{path} has {handle.size} bytes, its checksums cover {checksum.size}",
-                path=str(path),
-                step=step,
-            )
-        for segment in checksum.segments:
-            crc, position, left = 0, segment.offset, segment.length
-            while left:
-                chunk = handle.read(position, min(left, READ_CHUNK))
-                if not chunk:
-                    raise IncompleteCheckpointError(f"{path} ended early", path=str(path), step=step)
-                crc = crc32(chunk, crc)
-                position += len(chunk)
-                left -= len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-            if crc != segment.crc:
-                raise corrupt(path, segment.offset, step=step)
+        verify_handle(handle, path, checksum, step=step, progress=progress)
+
+
+def verify_handle(
+    handle: ReadHandle,
+    name: object,
+    checksum: FileChecksum,
+    *,
+    step: int | None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """:func:`verify_file` on a file already open (``name`` is what errors call it)."""
+    if handle.size != checksum.size:
+        raise IncompleteCheckpointError(
+            f"{name} has {handle.size} bytes, its checksums cover {checksum.size}",
+            path=str(name),
+            step=step,
+        )
+    for segment in checksum.segments:
+        crc, position, left = 0, segment.offset, segment.length
+        while left:
+            chunk = handle.read(position, min(left, READ_CHUNK))
+            if not chunk:
+                raise IncompleteCheckpointError(f"{name} ended early", path=str(name), step=step)
+            crc = crc32(chunk, crc)
+            position += len(chunk)
+            left -= len(chunk)
+            if progress is not None:
+                progress(len(chunk))
+        if crc != segment.crc:
+            raise corrupt(name, segment.offset, step=step)
 
 
 def checksum_file(path: Loc) -> FileChecksum:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import enum
 
-from .._store.base import DIR, Loc
+from .._store.base import DIR
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .record import Record, read_record
 

@@ -17,7 +17,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .._store.base import DIR, LINK, Loc, Store
+from .._store.base import DIR, LINK, Store
+from .._store.loc import Loc
 from ..errors import UnsafeCheckpointError
 
 RECORD_NAME = "metadata.json"

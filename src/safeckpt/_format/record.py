@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._store.base import FILE, Loc, Lock
-from .._store.registry import as_loc
+from .._store.base import FILE, Lock
+from .._store.loc import Loc, as_loc
 from .._version import __version__
 from ..errors import IncompleteCheckpointError, InvalidSaveError, UnsafeCheckpointError
 from .layout import RECORD_NAME

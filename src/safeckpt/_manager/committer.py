@@ -42,7 +42,8 @@ from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
-from .._store.base import Loc, Lock
+from .._store.base import Lock
+from .._store.loc import Loc
 from .._version import __version__
 from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementError, SaveFailedError
 from .background import COMMITTED, FAILED, StagingPool

@@ -14,7 +14,8 @@ from .._format.layout import Layout
 from .._format.record import Record
 from .._root.ownership import Ownership
 from .._root.quarantine import move_aside
-from .._store.base import Loc, Lock
+from .._store.base import Lock
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .saves import SaveView
 

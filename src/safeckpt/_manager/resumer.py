@@ -36,7 +36,7 @@ from .._restore.choose import (
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
 from .._restore.restored import Restored
-from .._store.base import Loc
+from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
 from ..errors import IncompleteCheckpointError

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo, Policy, Retention, explain, plan_removals
-from .._store.base import Loc
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
 from .ledger import Flight, SaveLedger

@@ -20,7 +20,8 @@ from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._registration.worker import RegistrationWorker
 from .._state.walk import StateCache
-from .._store.base import Loc, Store
+from .._store.base import Store
+from .._store.loc import Loc
 from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
@@ -127,9 +128,7 @@ def wire(
         save_rng=save_rng,
         io=io,
     )
-    pins = Pins(
-        root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes
-    )
+    pins = Pins(root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes)
     saver = Saver(
         root,
         token=token,

@@ -37,8 +37,8 @@ from .._dcp import io as dcp_io
 from .._format.layout import Layout
 from .._format.record import Record
 from .._restore.choose import check_own_files, choose_checkpoint, read_chosen
-from .._store.base import DIR, Loc
-from .._store.registry import as_loc, as_root
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from .._format.layout import Layout, parse_step_dirname
 from .._format.record import list_files, read_record
 from .._policy.retention import Retention, explain
 from .._restore.choose import choose_checkpoint
-from .._store.base import DIR, Loc
-from .._store.registry import as_loc, as_root
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .maintenance import infos, protected_steps, recorded_retention
 
@@ -103,12 +103,13 @@ def _is_dir(loc: Loc) -> bool:
     return entry is not None and entry.kind == DIR
 
 
-def tensor_table(checkpoint_dir: Loc) -> list[dict[str, Any]]:
+def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every entry of DCP's ``.metadata``: FQN, kind, dtype, shape, bytes and chunks.
 
     A chunk is one rank's piece of a tensor (``offsets``/``sizes`` per dimension, and
     the file that holds it); an unsharded tensor has one chunk covering it.
     """
+    checkpoint_dir = as_loc(checkpoint_dir)
     metadata = dcp_io.read_metadata(checkpoint_dir)
     files: dict[tuple[str, tuple[int, ...] | None], str] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -146,7 +147,7 @@ def tensor_table(checkpoint_dir: Loc) -> list[dict[str, Any]]:
     return table
 
 
-def train_state_summary(checkpoint_dir: Loc) -> dict[str, Any]:
+def train_state_summary(checkpoint_dir: Loc | str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON part of each rank's train-state file, read from its header only.
 
     ``entries`` is the state's structure with its plain values: a tensor (stored by DCP)
@@ -156,6 +157,7 @@ def train_state_summary(checkpoint_dir: Loc) -> dict[str, Any]:
     dtypes as their names. The
     RNG state is summarised by the generators it holds.
     """
+    checkpoint_dir = as_loc(checkpoint_dir)
     out = {}
     names = [e.name for e in checkpoint_dir.store.entries(checkpoint_dir.key)]
     for path in [checkpoint_dir / n for n in sorted(fnmatch.filter(names, "train_state.rank*.safetensors"))]:

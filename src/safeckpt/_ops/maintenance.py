@@ -19,8 +19,8 @@ from .._format.layout import Layout, parse_damaged_name, parse_step_dirname
 from .._format.record import Record, amend_record
 from .._policy.retention import CheckpointInfo, Retention, plan_removals
 from .._root.removal import Deleter, discard_checkpoint, recover_interrupted_replacements
-from .._store.base import DIR, FILE, LINK, Loc, Lock, Store
-from .._store.registry import as_root
+from .._store.base import DIR, FILE, LINK, Lock, Store
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 
@@ -133,9 +133,7 @@ def _recorded_or_refuse(catalog: Catalog) -> Retention:
     return retention
 
 
-def set_pinned(
-    root: Loc | Store | str | os.PathLike[str], step: int, pinned: bool
-) -> Record:
+def set_pinned(root: Loc | Store | str | os.PathLike[str], step: int, pinned: bool) -> Record:
     """Pin (or unpin) ``step`` in its record, under the sidecar lock."""
     layout = Layout(as_root(root))
     path = layout.step_dir(step)
@@ -255,7 +253,10 @@ def latest_problem(catalog: Catalog, report: dict[int, list[str]] | None = None)
         return f"`latest` points to {name}, not to a checkpoint directory of this root" + fallback
     found = target.entry()
     if found is not None and found.kind == LINK:
-        return f"`latest` names {name}, a symbolic link, not a checkpoint of this root" + fallback
+        return (
+            f"`latest` names {name}, a symbolic link to {found.target}, not a checkpoint of this root"
+            + fallback
+        )
     if step not in catalog.committed:
         what = "is not a committed checkpoint" if found is not None else "does not exist"
         return f"`latest` names {name}, which {what}" + fallback

@@ -17,7 +17,7 @@ from torch import nn
 
 from .._format.layout import Layout
 from .._store.base import DIR, FILE
-from .._store.registry import as_loc, as_root
+from .._store.loc import as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .export import INDEX_NAME, ExportExistsError
 

@@ -10,6 +10,7 @@ through ``O_DIRECT`` where the filesystem takes it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from .._fs.atomic import atomic_write, read_pointer, replace_dir, swap_pointer
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._fs.lock import SidecarLock
-from .._fs.safe_open import open_regular, read_fd, read_small
+from .._fs.safe_open import RegularFile, read_small
 from .._storage.prefetch import prefetch
 from .._storage.writer import RawFileSystemWriter
 from .._store.base import DIR, FILE, LINK, OTHER, Entry
@@ -75,18 +76,16 @@ class PosixStore:
                 info = item.stat(follow_symlinks=False)
             except FileNotFoundError:  # removed since the listing
                 continue
-            out.append(
-                Entry(item.name, _kind(info.st_mode), info.st_size if stat.S_ISREG(info.st_mode) else 0)
-            )
+            out.append(_entry(item.name, info, item.path))
         return sorted(out, key=lambda e: e.name)
 
     def entry(self, name: str) -> Entry | None:
+        path = self.path(name)
         try:
-            info = os.lstat(self.path(name))
+            info = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        size = info.st_size if stat.S_ISREG(info.st_mode) else 0
-        return Entry(self.path(name).name, _kind(info.st_mode), size)
+        return _entry(path.name, info, path)
 
     def make_dir(self, name: str) -> None:
         os.makedirs(self.path(name), exist_ok=True)
@@ -100,7 +99,11 @@ class PosixStore:
         )
 
     def remove(self, name: str) -> None:
-        self.ops.rmtree(self.path(name))
+        path = self.path(name)
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            self.ops.rmtree(path)  # the tree removal faults are injected into (and retried on NFS)
+        else:
+            os.unlink(path)
 
     def sync(self, name: str = "") -> None:
         self.ops.fsync_dir(self.path(name))
@@ -110,10 +113,8 @@ class PosixStore:
     def read_small(self, name: str, *, limit: int, what: str) -> bytes:
         return read_small(self.path(name), limit=limit, what=what)
 
-    def open_read(self, name: str) -> _Handle:
-        path = self.path(name)
-        fd, info = open_regular(path)
-        return _Handle(fd, info.st_size)
+    def open_read(self, name: str) -> RegularFile:
+        return RegularFile.open(self.path(name))
 
     def write_atomic(self, name: str, data: bytes) -> None:
         atomic_write(self.path(name), data, self.ops)
@@ -206,6 +207,15 @@ class _WriteHandle:
             self._file.close()  # the caller removes what was written
 
 
+def _entry(name: str, info: os.stat_result, path: str | Path) -> Entry:
+    size = info.st_size if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode) else 0
+    target = ""
+    if stat.S_ISLNK(info.st_mode):
+        with contextlib.suppress(OSError):  # replaced since the stat: no target to tell
+            target = os.readlink(path)
+    return Entry(name, _kind(info.st_mode), size, target)
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return LINK
@@ -214,30 +224,6 @@ def _kind(mode: int) -> str:
     if stat.S_ISREG(mode):
         return FILE
     return OTHER
-
-
-class _Handle:
-    """An open regular file of a root (opened without following a link, size as opened)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self._fd = fd
-        self.size = size
-
-    def read(self, offset: int, length: int) -> bytes:
-        return read_fd(self._fd, offset, length)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> _Handle:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 register(LOCAL, PosixStore)

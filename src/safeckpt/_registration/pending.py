@@ -17,7 +17,7 @@ from .._format.catalog import scan
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo
 from .._store.base import Store
-from .._store.registry import as_root
+from .._store.loc import as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .registrar import Registrar
 from .worker import RETRIED, CommitInfo, is_best, register_one

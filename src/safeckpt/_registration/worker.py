@@ -35,8 +35,8 @@ from typing import Any
 from .._format.catalog import scan
 from .._format.record import Record, amend_record, check_json_value, read_record
 from .._policy.retention import CheckpointInfo, KeepBest
-from .._store.base import Loc, Lock
-from .._store.registry import as_loc
+from .._store.base import Lock
+from .._store.loc import Loc, as_loc
 from ..errors import CheckpointError, IncompleteCheckpointError
 from .registrar import Registrar
 

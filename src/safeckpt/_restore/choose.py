@@ -21,8 +21,8 @@ from .._format.identity import Fate, fate_of
 from .._format.layout import Layout, parse_damaged_name, parse_step_dirname
 from .._format.record import Record, missing_or_wrong_files, read_record
 from .._state.train_state import train_state_filename
-from .._store.base import DIR, Loc
-from .._store.registry import as_loc
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,

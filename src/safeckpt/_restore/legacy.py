@@ -28,7 +28,7 @@ from .._dcp import io as dcp_io
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.walk import module_for
-from .._store.base import Loc
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,7 @@ from typing import Any
 from .._dcp import io as dcp_io
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
-from .._store.base import Loc
-from .._store.registry import as_loc, as_root
+from .._store.loc import Loc, as_loc, as_root
 from .._util.gc_pause import collector_paused
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
 from .choose import read_chosen

@@ -17,7 +17,7 @@ from .._dcp import options as io_options
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.train_state import Legacy, read_tree, restore_rng
-from .._store.base import Loc
+from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
 from .legacy import load_legacy

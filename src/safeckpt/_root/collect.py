@@ -35,8 +35,8 @@ from typing import Any
 
 from .._format.catalog import damaged_note
 from .._format.layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
-from .._store.base import DIR, FILE, Entry, Loc, Lock, Store
-from .._store.registry import as_root
+from .._store.base import DIR, FILE, Entry, Lock, Store
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointNotFoundError
 from .ownership import read_owner
 from .removal import (

@@ -36,8 +36,8 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._store.base import Loc, Lock, Store
-from .._store.registry import as_root
+from .._store.base import Lock, Store
+from .._store.loc import Loc, as_root
 from .._util.processes import pid_alive, process_start
 from ..errors import CheckpointError, RootInUseError
 

@@ -24,7 +24,8 @@ from .._format.catalog import scan
 from .._format.identity import Fate, fate_of
 from .._format.layout import DAMAGED_NOTE, Layout
 from .._format.record import Record
-from .._store.base import Loc, Lock
+from .._store.base import Lock
+from .._store.loc import Loc
 from .startup import repair_latest
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,8 @@ from .._format.layout import (
     step_dirname,
 )
 from .._format.record import Record, read_record
-from .._store.base import Loc, Lock
+from .._store.base import Lock
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -269,9 +270,7 @@ def recover_interrupted_replacements(layout: Layout, lock: Lock) -> list[int]:
     return restored
 
 
-def collect_abandoned_staging(
-    layout: Layout, lock: Lock, *, only: Loc | None = None
-) -> list[Loc]:
+def collect_abandoned_staging(layout: Layout, lock: Lock, *, only: Loc | None = None) -> list[Loc]:
     """Move ``.staging`` leftovers (or just ``only``) into the trash; the trash paths.
 
     Every leftover only at start, before any save; ``only`` for a save that
@@ -291,9 +290,7 @@ def collect_abandoned_staging(
     return moved
 
 
-def discard_checkpoint(
-    layout: Layout, lock: Lock, step: int
-) -> tuple[bool, Record | None]:
+def discard_checkpoint(layout: Layout, lock: Lock, step: int) -> tuple[bool, Record | None]:
     """Move ``step_<N>`` to the trash, unless it is pinned or ``latest`` names it.
 
     Both are re-checked on disk under the sidecar lock (a ``safeckpt pin`` from

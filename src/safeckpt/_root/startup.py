@@ -18,7 +18,8 @@ from collections.abc import Iterator
 
 from .._format.catalog import Catalog, scan
 from .._format.layout import LATEST_NAME, Layout, step_dirname
-from .._store.base import DIR, FILE, LINK, Loc, Lock
+from .._store.base import DIR, FILE, LINK, Lock
+from .._store.loc import Loc
 from .removal import collect_abandoned_staging, recover_interrupted_replacements
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from safetensors.torch import save as safetensors_save
 from .._dcp import io as dcp_io
 from .._format.checksums import read_verified
 from .._format.record import Record
-from .._store.base import Loc
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError, NewerFormatError, UnsupportedStateError
 from .per_rank import PerRank
 

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_file
+from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_handle
 from .._fs.direct_read import DirectFileReader
-from .._fs.safe_open import open_regular
+from .._fs.safe_open import RegularFile, open_regular
 from .._store.base import ItemInfos
 from .batching import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .prefetch import advise
@@ -398,7 +398,8 @@ class RawFileSystemReader(FileSystemReader):
             # One segment for the whole file (written by DCP's own writer): check it all, once.
             if info.relative_path not in self._whole_verified:
                 path = Path(self.path) / info.relative_path
-                verify_file(path, file_checksum, step=self._step)
+                with RegularFile.open(path) as handle:
+                    verify_handle(handle, path, file_checksum, step=self._step)
                 self._whole_verified.add(info.relative_path)
             return None
         if segment is None:

@@ -7,8 +7,9 @@ for POSIX filesystems is :class:`safeckpt._posix.PosixStore`. The contract is
 in :mod:`.base` and ``docs/architecture.md``.
 """
 
-from .base import DIR, FILE, LINK, OTHER, Entry, Loc, Lock, ReadHandle, Store, join, leaf, parent
-from .registry import as_loc, as_root, open_store, register
+from .base import DIR, FILE, LINK, OTHER, Entry, Lock, ReadHandle, Store, join, leaf, parent
+from .loc import Loc, as_loc, as_root
+from .registry import open_store, register
 
 __all__ = [
     "DIR",

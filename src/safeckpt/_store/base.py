@@ -51,12 +51,15 @@ OTHER = "other"  # a FIFO, socket or device: never opened
 
 @dataclass(frozen=True)
 class Entry:
-    """What is at one name: its kind and, for a regular file, its size in bytes."""
+    """What is at one name: its kind and, for a regular file, its size in bytes (a link's size is
+    the length of its target, as POSIX counts it)."""
 
     name: str
     """The last part of the name."""
     kind: str
     size: int = 0
+    target: str = ""
+    """For a link, where it points (stores without links never have one)."""
 
 
 def join(*parts: str) -> str:
@@ -70,64 +73,6 @@ def parent(name: str) -> str:
 
 def leaf(name: str) -> str:
     return posixpath.basename(name)
-
-
-class Loc:
-    """A name inside one store's root: the currency of the layers above the seam.
-
-    Path arithmetic only (``loc / "metadata.json"``, ``.name``, ``.parent``); every
-    operation on what it names goes through ``loc.store`` with ``loc.key``. It is
-    shown (``str()``) as the store shows the name: a path for a local root.
-    """
-
-    __slots__ = ("key", "store")
-
-    def __init__(self, store: Store, key: str = "") -> None:
-        self.store = store
-        self.key = key
-
-    def __truediv__(self, part: str) -> Loc:
-        return Loc(self.store, join(self.key, part))
-
-    @property
-    def name(self) -> str:
-        return leaf(self.key)
-
-    @property
-    def parent(self) -> Loc:
-        return Loc(self.store, parent(self.key))
-
-    @property
-    def where(self) -> Path | str:
-        """How a person names it: a ``Path`` for a local root, else the store's URL and the name."""
-        return self.store.where(self.key)
-
-    def entry(self) -> Entry | None:
-        """What is at this name (never through a link), or None."""
-        return self.store.entry(self.key)
-
-    def __str__(self) -> str:
-        return str(self.where)
-
-    def __repr__(self) -> str:
-        return f"Loc({self.store.url!r}, {self.key!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Loc) and other.store.url == self.store.url and other.key == self.key
-
-    def __hash__(self) -> int:
-        return hash((self.store.url, self.key))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Across processes (other ranks) a name travels as its root's URL: the receiver opens
-        # that root's store itself.
-        return (_loc_at, (self.store.url, self.key))
-
-
-def _loc_at(url: str, key: str) -> Loc:
-    from .registry import open_store  # the registry imports this module
-
-    return Loc(open_store(url), key)
 
 
 class ItemInfos(list):  # type: ignore[type-arg]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Loc, Store
+from .base import Store
 
 LOCAL = "file"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -53,23 +53,3 @@ def open_store(root: str | os.PathLike[str] | Store, *, ops: Any = None) -> Stor
             path=os.fspath(root),  # type: ignore[arg-type]
         )
     return factory(root if scheme != LOCAL else Path(root), ops=ops)  # type: ignore[arg-type]
-
-
-def as_loc(value: Loc | str | os.PathLike[str]) -> Loc:
-    """A checkpoint directory as a name in its store: a :class:`Loc` as it is, else a path's leaf
-    in the store of its parent."""
-    if isinstance(value, Loc):
-        return value
-    if scheme_of(value) != LOCAL:
-        text = os.fspath(value).rstrip("/")
-        parent_url, _, name = text.rpartition("/")
-        return Loc(open_store(parent_url), name)
-    path = Path(value).absolute()
-    return Loc(open_store(path.parent), path.name)
-
-
-def as_root(value: Loc | Store | str | os.PathLike[str]) -> Loc:
-    """A root as the :class:`Loc` of its store's top (a store, a path or a URL)."""
-    if isinstance(value, Loc):
-        return value
-    return Loc(open_store(value), "")

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._store.base import DIR, Loc
-from .._store.registry import as_root
+from .._store.base import DIR
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidSaveError, LockTimeoutError
 
 EXIT_OK = 0

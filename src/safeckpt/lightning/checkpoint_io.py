@@ -44,7 +44,8 @@ from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPo
 from .._manager.ledger import Flight, SaveLedger
 from .._posix import PosixStore
 from .._root.removal import Deleter
-from .._store.base import Loc, Lock, Store
+from .._store.base import Lock, Store
+from .._store.loc import Loc
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
 from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
 
