@@ -29,6 +29,7 @@ from safeckpt._fs.fileops import DEFAULT_FILE_OPS
 from safeckpt._fs.lock import SidecarLock
 from safeckpt.cli import main
 from safeckpt.cli.common import print_table
+from stores import loc
 
 LOSSES = {10: 0.5, 20: 0.3, 30: 0.4, 40: 0.6, 50: 0.7, 60: 0.8}
 
@@ -419,7 +420,7 @@ def test_prune_without_a_rule_or_a_recorded_one_is_a_usage_error(
     lock = SidecarLock(ckpt / ".lock")
     try:
         for step in LOSSES:  # records of a job that recorded no retention
-            amend_record(ckpt / f"step_{step}", lock, DEFAULT_FILE_OPS, retention=None)
+            amend_record(loc(ckpt / f"step_{step}"), lock, retention=None)
     finally:
         lock.close()
     before = tree(ckpt)

@@ -12,7 +12,6 @@ from safeckpt import CheckpointManager, RootInUseError, RootNotWritableError, Sa
 from safeckpt._dist.participants import Participants
 from safeckpt._format.catalog import damaged_note, scan
 from safeckpt._format.layout import Layout
-from safeckpt._fs.fileops import DEFAULT_FILE_OPS
 from safeckpt._manager.damaged import DamagedCommits
 from safeckpt._manager.outcomes import Outcomes
 from safeckpt._manager.preemption import PreemptionHandlers
@@ -21,15 +20,14 @@ from safeckpt._manager.session import RootSession
 from safeckpt._manager.triggers import Triggers
 from safeckpt._root.ownership import read_owner
 from safeckpt.errors import SaveFailedError
+from stores import root as root_loc
 
 
 def session_of(root: Path, *, read_only: bool = False) -> tuple[RootSession, SaveView, DamagedCommits]:
-    layout, view = Layout(root), SaveView()
-    damaged = DamagedCommits(layout, view, DEFAULT_FILE_OPS)
+    layout, view = Layout(root_loc(root)), SaveView()
+    damaged = DamagedCommits(layout, view)
     session = RootSession(
-        root,
         layout,
-        DEFAULT_FILE_OPS,
         view,
         damaged,
         read_only=read_only,

@@ -25,6 +25,7 @@ STEPS = 5
 SMALL = 1_000
 LARGE = 4_000_000  # 16 MB: DCP writes take long enough to be hit by a timed kill
 
+
 def run_worker(root: Path, log: Path, **kwargs: Any) -> int | None:
     proc = context().Process(target=crash_worker.train, args=(str(root), str(log)), kwargs=kwargs)
     proc.start()

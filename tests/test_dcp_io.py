@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -24,12 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from safeckpt import CheckpointManager
 from safeckpt._dcp import io as dcp_io
-from safeckpt._dcp.io import METADATA_NAME, SafeFileSystemReader, SafeLoadPlanner, load, read_metadata, save
+from safeckpt._dcp.io import METADATA_NAME, SafeLoadPlanner, load, read_metadata, reader_for, save
 from safeckpt._format.checksums import FileChecksum
 from safeckpt._format.record import list_files, read_record, write_record
 from safeckpt._fs.fileops import FileOps
 from safeckpt._fs.lock import SidecarLock
+from safeckpt._storage.reader import RawFileSystemReader
 from safeckpt.errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from stores import loc
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -136,7 +139,7 @@ def test_read_metadata_admits_what_dcp_metadata_is_made_of(root: Path) -> None:
 
 def test_the_safe_reader_is_a_filesystem_reader(root: Path) -> None:
     save({"w": torch.ones(2)}, root, None)
-    reader = SafeFileSystemReader(root)
+    reader = reader_for(root)
     metadata = reader.read_metadata()
     assert metadata.storage_meta is not None and metadata.storage_meta.load_id == reader.load_id
     target = {"w": torch.zeros(2)}
@@ -183,11 +186,12 @@ def plant_metadata(directory: Path, payload: bytes) -> None:
     record = read_record(directory)
     assert record is not None
     lock = SidecarLock(directory.parent / ".lock")
-    files = list_files(directory)
+    files = list_files(loc(directory))
     checksums = dict(record.checksums or {})
     # consistent, so only the restricted unpickler stops it
     checksums[METADATA_NAME] = FileChecksum.whole(payload).to_json()
-    write_record(directory, dataclasses.replace(record, files=files, checksums=checksums), lock, FileOps())
+    amended = dataclasses.replace(record, files=files, checksums=checksums)
+    write_record(loc(directory, FileOps()), amended, lock)
     dcp_io.forget_parsed()
 
 
@@ -423,8 +427,8 @@ def test_an_unexpected_error_while_reading_whole_tensors_fails_the_restore_as_dc
     failures = {}
     for io in ("raw", "torch"):  # whole tensors read here, and through dcp.load
         monkeypatch.setenv("SAFECKPT_DCP_IO", io)
-        monkeypatch.setattr(dcp_io.RawFileSystemReader, "_read_file", failing)
-        monkeypatch.setattr(dcp_io.FileSystemReader, "read_data", failing)
+        monkeypatch.setattr(RawFileSystemReader, "_read_file", failing)
+        monkeypatch.setattr(FileSystemReader, "read_data", failing)
         other, other_optim = fresh()
         with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError) as raised:
             mgr.restore({"model": other, "optim": other_optim, "epoch": 0}, step=1)

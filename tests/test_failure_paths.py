@@ -39,7 +39,8 @@ from safeckpt import (
 )
 from safeckpt._fs.fileops import FileOps
 from safeckpt._ops.maintenance import verify
-from safeckpt._root.ownership import Owner, _process_start, read_owner
+from safeckpt._root.ownership import Owner, read_owner
+from safeckpt._util.processes import process_start as _process_start
 from safeckpt.errors import RootInUseError
 
 # --- helpers -------------------------------------------------------------------------------------

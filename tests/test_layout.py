@@ -17,6 +17,7 @@ from safeckpt._format.layout import (
     parse_trash_name,
     step_dirname,
 )
+from stores import root as root_loc
 
 STEP_NAMES = [
     ("step_0", 0),
@@ -82,16 +83,23 @@ def test_parse_staging_name(name: str, step: int | None) -> None:
 
 
 def test_paths_of_a_root(root: Path) -> None:
-    layout = Layout(root)
-    assert layout.staging == root / ".staging"
-    assert layout.trash == root / ".trash"
-    assert layout.lock_path == root / ".lock"
-    assert layout.latest_path == root / "latest"
-    assert layout.step_dir(12) == root / "step_12"
+    layout = Layout(root_loc(root))
+    assert layout.staging.where == root / ".staging"
+    assert layout.trash.where == root / ".trash"
+    assert layout.damaged.where == root / ".damaged"
+    assert layout.latest_path.where == root / "latest"
+    assert layout.step_dir(12).where == root / "step_12"
+    root.mkdir()
+    lock = layout.store.lock(timeout=5)
+    try:
+        with lock:
+            assert (root / ".lock").is_file()  # the sidecar lock of a local root
+    finally:
+        lock.close()
 
 
 def test_new_names_parse_back_and_are_unique(root: Path) -> None:
-    layout = Layout(root)
+    layout = Layout(root_loc(root))
     staging = layout.staging_dir(8, "0123456789ab")
     assert staging.parent == layout.staging and parse_staging_name(staging.name) == 8
     with pytest.raises(ValueError, match="12 hex digits"):
@@ -103,30 +111,31 @@ def test_new_names_parse_back_and_are_unique(root: Path) -> None:
 
 
 def test_committed_dirs_sorts_numerically_and_lists_only_step_directories(root: Path) -> None:
-    layout = Layout(root)
+    layout = Layout(root_loc(root))
     for step in (10, 9, 100, 0):
-        layout.step_dir(step).mkdir(parents=True)
+        layout.step_dir(step).where.mkdir(parents=True)
     (root / "step_5").write_text("a file, not a checkpoint")
     os.symlink("step_9", root / "step_6")  # a symlink to a directory is not a checkpoint
     for name in ("step_07", "latest_dir", "step_11.0123456789ab"):
         (root / name).mkdir()
-    (layout.staging / "step_12.0123456789ab").mkdir(parents=True)
-    (layout.trash / "step_13.pruned.0123456789ab").mkdir(parents=True)
-    assert layout.committed_dirs() == [(s, root / f"step_{s}") for s in (0, 9, 10, 100)]
+    (root / ".staging" / "step_12.0123456789ab").mkdir(parents=True)
+    (root / ".trash" / "step_13.pruned.0123456789ab").mkdir(parents=True)
+    found = [(s, d.where) for s, d in layout.committed_dirs()]
+    assert found == [(s, root / f"step_{s}") for s in (0, 9, 10, 100)]
 
 
 def test_listings_of_a_missing_root_are_empty(root: Path) -> None:
-    layout = Layout(root)
+    layout = Layout(root_loc(root))
     assert layout.committed_dirs() == []
     assert layout.staging_entries() == []
     assert layout.trash_entries() == []
 
 
 def test_staging_and_trash_entries_are_sorted_and_complete(root: Path) -> None:
-    layout = Layout(root)
+    layout = Layout(root_loc(root))
     names = ["step_2.pruned.bbbbbbbbbbbb", "step_1.replaced.aaaaaaaaaaaa", "stranger"]
     for name in names:
-        (layout.trash / name).mkdir(parents=True)
-    (layout.staging / "step_3.cccccccccccc").mkdir(parents=True)
-    assert layout.trash_entries() == sorted(layout.trash / n for n in names)
+        (root / ".trash" / name).mkdir(parents=True)
+    (root / ".staging" / "step_3.cccccccccccc").mkdir(parents=True)
+    assert layout.trash_entries() == [layout.trash / n for n in sorted(names)]
     assert layout.staging_entries() == [layout.staging / "step_3.cccccccccccc"]

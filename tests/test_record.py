@@ -34,6 +34,7 @@ from safeckpt._fs.lock import SidecarLock
 from safeckpt._ops.maintenance import verify
 from safeckpt.cli import main
 from safeckpt.errors import IncompleteCheckpointError, InvalidSaveError
+from stores import loc
 
 
 @pytest.fixture
@@ -87,13 +88,13 @@ CHECKSUMS = {"__0_0.distcp": {"crc32": [[0, 6, 1], [6, 4, 2]]}, "part.bin": {"cr
     ],
 )
 def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> None:
-    write_record(ckpt, record, lock, FaultyFileOps())
+    write_record(loc(ckpt, FaultyFileOps()), record, lock)
     assert read_record(ckpt) == record
     assert Record.from_json(json.loads(encode(record))) == record
 
 
 def test_the_record_on_disk_is_readable_json(ckpt: Path, lock: SidecarLock) -> None:
-    write_record(ckpt, a_record(), lock, FaultyFileOps())
+    write_record(loc(ckpt, FaultyFileOps()), a_record(), lock)
     data = json.loads((ckpt / RECORD_NAME).read_text())
     assert data["status"] == COMMITTED and data["step"] == 5
     assert data["time_iso"] == "2023-11-14T22:13:20Z"
@@ -149,7 +150,7 @@ def test_no_record_reads_as_none(ckpt: Path) -> None:
 
 def test_a_write_goes_through_a_temp_file_and_replace_under_the_lock(root_dir: Path, ckpt: Path) -> None:
     ops = LockRecordingFileOps(root_dir)
-    write_record(ckpt, a_record(), ops.lock, ops)  # type: ignore[arg-type]
+    write_record(loc(ckpt, ops), a_record(), ops.lock)  # type: ignore[arg-type]
     (write,) = ops.calls_of("write_file")
     (replace,) = ops.calls_of("replace")
     (tmp,) = write.paths
@@ -174,10 +175,10 @@ def test_a_failed_write_leaves_the_old_record_and_no_temp_file(
 ) -> None:
     ops = FaultyFileOps()
     old = a_record()
-    write_record(ckpt, old, lock, ops)
+    write_record(loc(ckpt, ops), old, lock)
     ops.fail(op, errno.ENOSPC, partial=partial)
     with pytest.raises(OSError) as info:
-        write_record(ckpt, a_record(pinned=True, extra={"x": "y" * 10_000}), lock, ops)
+        write_record(loc(ckpt, ops), a_record(pinned=True, extra={"x": "y" * 10_000}), lock)
     assert info.value.errno == errno.ENOSPC
     assert read_record(ckpt) == old
     assert sorted(p.name for p in ckpt.iterdir()) == ["__0_0.distcp", RECORD_NAME, "part.bin"]
@@ -189,26 +190,26 @@ def test_a_failed_write_leaves_the_old_record_and_no_temp_file(
 
 def test_amend_changes_only_what_it_is_given(root_dir: Path, ckpt: Path) -> None:
     ops = LockRecordingFileOps(root_dir)
-    write_record(ckpt, a_record(), ops.lock, ops)  # type: ignore[arg-type]
-    amended = amend_record(ckpt, ops.lock, ops, pinned=True)  # type: ignore[arg-type]
+    write_record(loc(ckpt, ops), a_record(), ops.lock)  # type: ignore[arg-type]
+    amended = amend_record(loc(ckpt, ops), ops.lock, pinned=True)  # type: ignore[arg-type]
     assert amended == a_record(pinned=True) == read_record(ckpt)
     assert all(c.locked for c in ops.calls_of("write_file", "replace"))
 
 
 def test_amend_rereads_the_record_under_the_lock(ckpt: Path, lock: SidecarLock) -> None:
     ops = FaultyFileOps()
-    write_record(ckpt, a_record(), lock, ops)
+    write_record(loc(ckpt, ops), a_record(), lock)
     result: dict[str, Any] = {}
 
     def amend() -> None:
-        result["record"] = amend_record(ckpt, lock, ops, registration={"status": "registered"})
+        result["record"] = amend_record(loc(ckpt, ops), lock, registration={"status": "registered"})
 
     with lock:  # another writer (a `safeckpt pin`, say) holds the lock ...
         amender = threading.Thread(target=amend)
         amender.start()
         amender.join(0.2)
         assert amender.is_alive(), "amend_record did not wait for the sidecar lock"
-        write_record(ckpt, a_record(pinned=True), lock, ops)  # ... and changes the record
+        write_record(loc(ckpt, ops), a_record(pinned=True), lock)  # ... and changes the record
     amender.join()
     # The amend saw the change made while it waited: it read the record after taking the lock.
     expected = a_record(pinned=True, registration={"status": "registered"})
@@ -217,7 +218,7 @@ def test_amend_rereads_the_record_under_the_lock(ckpt: Path, lock: SidecarLock) 
 
 def test_amend_without_a_record_is_an_incomplete_checkpoint(ckpt: Path, lock: SidecarLock) -> None:
     with pytest.raises(IncompleteCheckpointError, match="no record to amend") as info:
-        amend_record(ckpt, lock, FaultyFileOps(), pinned=True)
+        amend_record(loc(ckpt, FaultyFileOps()), lock, pinned=True)
     assert info.value.path == str(ckpt)
     assert not lock.held()
 
@@ -275,7 +276,7 @@ def test_from_json_names_its_source() -> None:
 
 
 def test_list_files_lists_everything_but_the_record(ckpt: Path, lock: SidecarLock) -> None:
-    write_record(ckpt, a_record(), lock, FaultyFileOps())
+    write_record(loc(ckpt, FaultyFileOps()), a_record(), lock)
     (ckpt / "sub").mkdir()
     (ckpt / "sub" / "nested").write_bytes(b"x")  # a checkpoint is flat: a directory is no part of it
     (ckpt / ".metadata.json.tmp.0123456789ab").write_bytes(b"{")  # an interrupted amend's temp file

@@ -281,12 +281,12 @@ def test_registration_timeout_must_be_a_positive_number(root: Path, value: Any) 
 
 
 def test_worker_close_without_work_returns_and_closes_the_registrar(root: Path) -> None:
-    from safeckpt._fs.fileops import DEFAULT_FILE_OPS
     from safeckpt._fs.lock import SidecarLock
+    from stores import root as root_loc
 
     root.mkdir()
     registrar = Recording()
-    worker = RegistrationWorker(registrar, SidecarLock(root / ".lock"), DEFAULT_FILE_OPS, root, timeout=5.0)
+    worker = RegistrationWorker(registrar, SidecarLock(root / ".lock"), root_loc(root), timeout=5.0)
     worker.close()
     worker.close()
     assert registrar.closed == 1

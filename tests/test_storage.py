@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import safeckpt._dcp.io  # noqa: F401  (filters DCP's single-process warning)
-from safeckpt._dcp.io import SafeFileSystemReader, SafeLoadPlanner
+from safeckpt._dcp.io import SafeLoadPlanner, reader_for
 from safeckpt._storage import prefetch as early_read
 from safeckpt._storage import writer as storage
 from safeckpt._storage.torchsave import reader as archive_read
@@ -194,13 +194,12 @@ def test_byte_items_go_through_the_planners_load_bytes(tmp_path: Path) -> None:
 def test_works_under_safeckpts_restricted_reader_and_planner(tmp_path: Path) -> None:
     """The proposed wiring: dcp_io's reader (restricted .metadata) on top of the raw reader."""
 
-    class Reader(SafeFileSystemReader, RawFileSystemReader):
-        pass
-
     state = sample()
     save_raw(state, tmp_path)
     loaded = zeros_like(state)
-    dcp.load(loaded, storage_reader=Reader(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
+    reader = reader_for(tmp_path)
+    assert isinstance(reader, RawFileSystemReader)
+    dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     assert_equal(loaded, state)
 
 

@@ -8,6 +8,7 @@ with CheckpointManager("runs/exp1/ckpt", retention=Retention(keep_last=3)) as mg
     mgr.save(step, state, metrics={"val_loss": v})
 """
 
+from . import _posix  # noqa: F401  (local roots: registers the POSIX store)
 from ._format.record import Record, read_record
 from ._fs.fileops import FileOps
 from ._manager.manager import CheckpointManager

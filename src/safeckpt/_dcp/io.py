@@ -20,7 +20,6 @@ import threading
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,14 +29,13 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from .._format.checksums import FileChecksum, parse_checksums, read_verified
+from .._format.layout import check_member_name
 from .._format.record import Record, read_record
-from .._fs.safe_open import check_member_name
-from .._storage.reader import ItemInfos, RawFileSystemReader
-from .._storage.writer import RawFileSystemWriter
+from .._store.base import ItemInfos
+from .._store.loc import Loc, as_loc
 from .._util.forksafe import reset_in_child
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from . import options
@@ -60,6 +58,7 @@ def _quiet_single_process() -> Iterator[None]:
             category=UserWarning,
         )
         yield
+
 
 _ALLOWED_GLOBALS: set[tuple[str, str]] = {
     ("torch", "Size"),
@@ -103,7 +102,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(checkpoint_dir: Path, *, record: Record | None = None) -> dcp_metadata.Metadata:
+def read_metadata(
+    checkpoint_dir: Loc | str | os.PathLike[str], *, record: Record | None = None
+) -> dcp_metadata.Metadata:
     """``.metadata`` of ``checkpoint_dir``, verified and through :class:`RestrictedUnpickler`.
 
     Its size and checksum are checked against ``record`` (read from the
@@ -111,6 +112,7 @@ def read_metadata(checkpoint_dir: Path, *, record: Record | None = None) -> dcp_
     the record lists, within that file's size: a ``.metadata`` that points out
     of its checkpoint raises :class:`UnsafeCheckpointError` before any data is read.
     """
+    checkpoint_dir = as_loc(checkpoint_dir)
     path = checkpoint_dir / METADATA_NAME
     if record is None:
         record = read_record(checkpoint_dir)
@@ -143,7 +145,7 @@ def read_metadata(checkpoint_dir: Path, *, record: Record | None = None) -> dcp_
     return metadata
 
 
-def _unpickle_metadata(raw: bytes, path: Path) -> dcp_metadata.Metadata:
+def _unpickle_metadata(raw: bytes, path: Loc) -> dcp_metadata.Metadata:
     try:
         metadata = RestrictedUnpickler(io.BytesIO(raw), source=str(path)).load()
     except UnsafeCheckpointError:
@@ -162,7 +164,7 @@ def _unpickle_metadata(raw: bytes, path: Path) -> dcp_metadata.Metadata:
     return metadata
 
 
-def _check_storage_paths(metadata: dcp_metadata.Metadata, path: Path, record: Record | None) -> None:
+def _check_storage_paths(metadata: dcp_metadata.Metadata, path: Loc, record: Record | None) -> None:
     """Every item's file is a plain name inside the checkpoint (listed by the record, within its size)."""
     checked: set[str] = set()
     for info in (metadata.storage_data or {}).values():
@@ -193,7 +195,7 @@ def _check_storage_paths(metadata: dcp_metadata.Metadata, path: Path, record: Re
 
 
 def checksums_of(
-    record: Record | None, directory: Path, *, for_load: bool = True
+    record: Record | None, directory: Loc | str | os.PathLike[str], *, for_load: bool = True
 ) -> dict[str, FileChecksum] | None:
     """The record's checksums (None, with a warning once per directory, for an older record).
 
@@ -282,45 +284,21 @@ def _reset_in_child() -> None:
     _forget()
 
 
-
-
-class _RestrictedMetadata:
-    """Reads ``.metadata`` through the restricted unpickler (mixed into a DCP reader)."""
-
-    path: Any
-    load_id: Any
-    _record: Record | None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_metadata(Path(self.path), record=self._record)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeFileSystemReader(_RestrictedMetadata, RawFileSystemReader):
-    """Tensors read straight into their destination and checked against their CRC32 segment
-    (``data.pkl`` through torch's weights-only unpickler); ``.metadata`` through the restricted unpickler."""
-
-    def __init__(self, path: str | os.PathLike[str], *, record: Record | None = None) -> None:
-        if record is None:
-            record = read_record(Path(path))
-        super().__init__(
-            path,
-            checksums=checksums_of(record, Path(path)),
-            step=None if record is None else record.step,
-            direct_io=options.current().direct_io,
-        )
-        self._record = record
-
-
-class SafeTorchFileSystemReader(SafeFileSystemReader):
-    """DCP's own reader (``dcp_io="torch"``), each item's bytes checked before DCP reads them."""
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        self.verify_items(plan.items)
-        return FileSystemReader.read_data(self, plan, planner)
+def reader_for(directory: Loc | str | os.PathLike[str], record: Record | None = None) -> Any:
+    """The store's DCP reader of ``directory``: every item checked against ``record``'s sums, and
+    ``.metadata`` through the restricted unpickler."""
+    directory = as_loc(directory)
+    if record is None:
+        record = read_record(directory)
+    io_options = options.current()
+    return directory.store.dcp_reader(
+        directory.key,
+        checksums=checksums_of(record, directory),
+        step=None if record is None else record.step,
+        direct_io=io_options.direct_io,
+        dcp_own=io_options.dcp_io == options.TORCH,
+        metadata=lambda: read_metadata(directory, record=record),
+    )
 
 
 def _torch_io() -> bool:
@@ -434,7 +412,7 @@ def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
 
 def save(
     state_dict: Mapping[str, Any],
-    directory: Path,
+    directory: Loc | str | os.PathLike[str],
     group: dist.ProcessGroup | None,
     *,
     plans: SavePlans | None = None,
@@ -448,11 +426,10 @@ def save(
     caller checksums what is missing).
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
-    kwargs: dict[str, Any] = dict(sync_files=True, single_file_per_rank=True, thread_count=1)
-    if _torch_io():
-        writer = FileSystemWriter(directory, **kwargs)
-    else:
-        writer = RawFileSystemWriter(directory, direct_io=options.current().direct_io, **kwargs)
+    directory = as_loc(directory)
+    writer = directory.store.dcp_writer(
+        directory.key, direct_io=options.current().direct_io, dcp_own=_torch_io()
+    )
     planner = None if plans is None else plans.planner()
     try:
         with _quiet_single_process():
@@ -467,7 +444,7 @@ def save(
 
 def load(
     state_dict: dict[str, Any],
-    directory: Path,
+    directory: Loc | str | os.PathLike[str],
     group: dist.ProcessGroup | None,
     *,
     record: Record | None = None,
@@ -479,17 +456,17 @@ def load(
     Raises :class:`UnsafeCheckpointError` when the checkpoint asks to run code
     or to read outside itself.
     """
+    directory = as_loc(directory)
     if record is None:
         record = read_record(directory)
     # Inside dcp.load a failed metadata read becomes the text of an AssertionError (after a
     # fallback to per-rank metadata), so read it here first: its errors then keep their type.
     read_metadata(directory, record=record)
-    reader_class = SafeTorchFileSystemReader if _torch_io() else SafeFileSystemReader
     try:
         with _quiet_single_process():
             dcp.load(
                 state_dict,
-                storage_reader=reader_class(directory, record=record),
+                storage_reader=reader_for(directory, record),
                 planner=SafeLoadPlanner(),
                 **_group_or_none(group),
             )
@@ -504,7 +481,7 @@ def load(
 
 def load_flat(
     flat: dict[str, Any],
-    directory: Path,
+    directory: Loc,
     group: dist.ProcessGroup | None,
     *,
     record: Record,
@@ -528,7 +505,7 @@ def load_flat(
     if plan is None:
         load(nest_for_dcp(flat), directory, group, record=record)
         return
-    reader = SafeFileSystemReader(directory, record=record)
+    reader = reader_for(directory, record)
     reader.set_up_storage_reader(metadata, True)
     planner = _WholeTensorPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     # What set_up_planner sets, without its walk of the state: every value is a plain tensor.

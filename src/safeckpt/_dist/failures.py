@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import shutil
 from collections.abc import Mapping
-from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._store.loc import Loc
 from ..errors import RootNotWritableError, SaveFailedError
 
 
@@ -38,7 +34,7 @@ def save_failed(
     failed: Mapping[int, BaseException],
     *,
     own: BaseException | None,
-    root: Path,
+    root: Loc,
     latest: str,
     distributed: bool,
 ) -> SaveFailedError:
@@ -49,8 +45,9 @@ def save_failed(
     usual cause, and DCP's own error rarely says so.
     """
     detail = "; ".join(f"rank {r}: {describe(e)}" for r, e in sorted(failed.items()))
-    with contextlib.suppress(OSError):
-        detail += f" (free space where the root is: {human_size(shutil.disk_usage(root).free)})"
+    free = root.store.free_space()
+    if free is not None:
+        detail += f" (free space where the root is: {human_size(free)})"
     where = f" on rank(s) {sorted(failed)}" if distributed else ""
     cause = own or failed[min(failed)]
     error = SaveFailedError(
@@ -66,45 +63,12 @@ def save_failed(
     return error
 
 
-def _nearest_existing(path: Path) -> Path:
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            return candidate
-    return path
-
-
-def _cause_and_remedy(root: Path, error: OSError) -> tuple[str, str]:
-    """What an ``OSError`` on ``root`` means, in words, and what to do about it."""
-    code = error.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        free = ""
-        with contextlib.suppress(OSError):
-            free = f" ({human_size(shutil.disk_usage(_nearest_existing(root)).free)} free)"
-        return f"the filesystem is full{free}", "free space there (or prune old checkpoints), then save again"
-    if code == errno.EROFS:
-        return "the filesystem is mounted read-only", (
-            "mount it read-write, or pass read_only=True for a job that only restores"
-        )
-    if code in (errno.EACCES, errno.EPERM):
-        return "permission denied", (
-            "give this user write access to the root and its parent, or pass read_only=True for a "
-            "job that only restores"
-        )
-    if code in (errno.ENOTDIR, errno.EEXIST):
-        blocker = _nearest_existing(root)
-        return f"{blocker} is a file, not a directory", "choose a root whose parents are directories"
-    if code == errno.ENOENT:
-        return "a directory of it is missing (removed while the job ran?)", (
-            "check that the filesystem is mounted and the root's parent exists"
-        )
-    return f"{type(error).__name__}: {error}", "check the filesystem and its permissions"
-
-
 def root_not_writable(
-    root: Path, error: OSError, *, doing: str, step: int | None = None
+    root: Loc, error: OSError, *, doing: str, step: int | None = None
 ) -> RootNotWritableError:
-    """The error for an ``OSError`` met while preparing to write ``root``: the cause, then the remedy."""
-    cause, remedy = _cause_and_remedy(root, error)
+    """The error for an ``OSError`` met while preparing to write ``root``: the cause, then the remedy
+    (as the root's store explains its own errors)."""
+    cause, remedy = root.store.explain_error(error)
     wrapped = RootNotWritableError(
         f"{doing}: {root} cannot be written: {cause} ({type(error).__name__}: {error}). Nothing "
         f"already saved was touched; {remedy}.",

@@ -12,10 +12,9 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .._fs.atomic import read_pointer
-from .._fs.safe_open import read_small
+from .._store.base import Store
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .layout import DAMAGED_NOTE, REPLACED, Layout, parse_step_dirname, parse_trash_name
 from .record import Record, missing_or_wrong_files, read_record
@@ -32,7 +31,7 @@ class Entry:
     """
 
     step: int
-    path: Path
+    path: Loc
     record: Record | None
     problem: str | None = None
     displaced: bool = False
@@ -55,9 +54,9 @@ class Catalog:
     layout: Layout
     entries: tuple[Entry, ...]
     latest_name: str | None
-    staging: tuple[Path, ...] = field(default=())
-    trash: tuple[Path, ...] = field(default=())
-    damaged: tuple[Path, ...] = field(default=())
+    staging: tuple[Loc, ...] = field(default=())
+    trash: tuple[Loc, ...] = field(default=())
+    damaged: tuple[Loc, ...] = field(default=())
     """Checkpoints auto-resume found unloadable and moved aside (``.damaged/``): never loaded."""
 
     @property
@@ -87,13 +86,13 @@ class Catalog:
         return max(seqs, default=0) + 1
 
 
-def scan(root: Path) -> Catalog:
+def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     """Read every record under ``root``. A directory with a bad record is listed with its problem.
 
     Reads only (never follows a link out of the root, never opens anything but
     regular files), so it is safe on a root another job is writing.
     """
-    layout = Layout(root)
+    layout = Layout(as_root(root))
     entries = [_entry(step, path) for step, path in layout.committed_dirs()]
     present = {e.step for e in entries}
     trash = tuple(layout.trash_entries())
@@ -108,7 +107,7 @@ def scan(root: Path) -> Catalog:
     return Catalog(
         layout=layout,
         entries=tuple(sorted(entries, key=lambda e: e.step)),
-        latest_name=read_pointer(layout.latest_path),
+        latest_name=layout.store.read_pointer(layout.latest_path.key),
         staging=tuple(layout.staging_entries()),
         trash=trash,
         damaged=tuple(layout.damaged_entries()),
@@ -120,7 +119,7 @@ def scan(root: Path) -> Catalog:
 _RESCAN_WAITS = (0.01, 0.02, 0.04, 0.08, 0.2)
 
 
-def settled_scan(root: Path) -> Catalog:
+def settled_scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     """:func:`scan`, taken again (a few bounded times) while it caught a writer mid-commit.
 
     A scan lists the step directories, then reads their records, then ``latest``: a commit
@@ -135,7 +134,7 @@ def settled_scan(root: Path) -> Catalog:
             break
         time.sleep(wait)
         catalog = scan(root)
-    present = tuple(e for e in catalog.entries if e.committed or os.path.lexists(e.path))
+    present = tuple(e for e in catalog.entries if e.committed or e.path.entry() is not None)
     return dataclasses.replace(catalog, entries=present)
 
 
@@ -145,10 +144,10 @@ def _settled(catalog: Catalog) -> bool:
         return False  # `latest` names a step the listing has not (yet) seen committed
     if catalog.latest_name is None and catalog.committed:
         return False  # a first commit: its directory is in place, `latest` not yet
-    return all(e.committed or os.path.lexists(e.path) for e in catalog.entries)
+    return all(e.committed or e.path.entry() is not None for e in catalog.entries)
 
 
-def _entry(step: int, path: Path) -> Entry:
+def _entry(step: int, path: Loc) -> Entry:
     try:
         record = read_record(path, step=step)
     except (IncompleteCheckpointError, UnsafeCheckpointError) as e:
@@ -170,10 +169,11 @@ def verify_files(entry: Entry) -> list[str]:
     return problems + missing_or_wrong_files(entry.path, entry.record)
 
 
-def damaged_note(path: Path) -> dict[str, object]:
+def damaged_note(path: Loc | str | os.PathLike[str]) -> dict[str, object]:
     """What the ``damaged.json`` note of a moved-aside checkpoint says (empty when it has none)."""
     try:
-        data = json.loads(read_small(path / DAMAGED_NOTE, limit=64 << 10, what="damage note"))
+        note = as_loc(path) / DAMAGED_NOTE
+        data = json.loads(note.store.read_small(note.key, limit=64 << 10, what="damage note"))
     except (OSError, ValueError, CheckpointError):
         return {}
     return data if isinstance(data, dict) else {}

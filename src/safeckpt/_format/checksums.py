@@ -17,13 +17,12 @@ device in a checkpoint is an error, never a hang.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .._fs.safe_open import READ_CHUNK, open_regular, read_fd
+from .._store.base import ReadHandle
+from .._store.loc import Loc
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 
 try:  # hardware CRC32 (PCLMULQDQ), same values as zlib.crc32
@@ -37,6 +36,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; isal is as fa
         crc32_combine = None  # type: ignore[assignment]
 
 ALGORITHM = "crc32"
+READ_CHUNK = 8 << 20
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
@@ -196,7 +196,7 @@ class SegmentRecorder:
 # --- verified reads -----------------------------------------------------------------------------
 
 
-def corrupt(path: Path | str, offset: int, *, step: int | None, detail: str = "") -> CorruptCheckpointError:
+def corrupt(path: object, offset: int, *, step: int | None, detail: str = "") -> CorruptCheckpointError:
     where = f"step {step}, " if step is not None else ""
     return CorruptCheckpointError(
         f"{path} ({where}bytes from offset {offset}) does not match the checksum written with it"
@@ -208,20 +208,17 @@ def corrupt(path: Path | str, offset: int, *, step: int | None, detail: str = ""
     )
 
 
-def read_verified(path: Path, *, size: int | None, checksum: FileChecksum | None, step: int | None) -> bytes:
+def read_verified(path: Loc, *, size: int | None, checksum: FileChecksum | None, step: int | None) -> bytes:
     """A whole file, checked against its recorded size (before reading) and checksum."""
-    fd, info = open_regular(path)
-    try:
-        if size is not None and info.st_size != size:
+    with path.store.open_read(path.key) as handle:
+        if size is not None and handle.size != size:
             raise IncompleteCheckpointError(
-                f"{path} has {info.st_size} bytes, the record says {size}: the checkpoint was "
+                f"{path} has {handle.size} bytes, the record says {size}: the checkpoint was "
                 "damaged after it was written. Restore another one.",
                 path=str(path),
                 step=step,
             )
-        data = read_fd(fd, 0, info.st_size)
-    finally:
-        os.close(fd)
+        data = handle.read(0, handle.size)
     if checksum is not None:
         view = memoryview(data)
         for segment in checksum.segments:
@@ -231,51 +228,57 @@ def read_verified(path: Path, *, size: int | None, checksum: FileChecksum | None
 
 
 def verify_file(
-    path: Path,
+    path: Loc,
     checksum: FileChecksum,
     *,
     step: int | None,
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Read all of ``path`` and check every segment; raises on the first mismatch."""
-    fd, info = open_regular(path)
-    try:
-        if info.st_size != checksum.size:
-            raise IncompleteCheckpointError(
-                f"{path} has {info.st_size} bytes, its checksums cover {checksum.size}",
-                path=str(path),
-                step=step,
-            )
-        for segment in checksum.segments:
-            crc, position, left = 0, segment.offset, segment.length
-            while left:
-                chunk = os.pread(fd, min(left, READ_CHUNK), position)
-                if not chunk:
-                    raise IncompleteCheckpointError(f"{path} ended early", path=str(path), step=step)
-                crc = crc32(chunk, crc)
-                position += len(chunk)
-                left -= len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-            if crc != segment.crc:
-                raise corrupt(path, segment.offset, step=step)
-    finally:
-        os.close(fd)
+    with path.store.open_read(path.key) as handle:
+        verify_handle(handle, path, checksum, step=step, progress=progress)
 
 
-def checksum_file(path: Path) -> FileChecksum:
+def verify_handle(
+    handle: ReadHandle,
+    name: object,
+    checksum: FileChecksum,
+    *,
+    step: int | None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """:func:`verify_file` on a file already open (``name`` is what errors call it)."""
+    if handle.size != checksum.size:
+        raise IncompleteCheckpointError(
+            f"{name} has {handle.size} bytes, its checksums cover {checksum.size}",
+            path=str(name),
+            step=step,
+        )
+    for segment in checksum.segments:
+        crc, position, left = 0, segment.offset, segment.length
+        while left:
+            chunk = handle.read(position, min(left, READ_CHUNK))
+            if not chunk:
+                raise IncompleteCheckpointError(f"{name} ended early", path=str(name), step=step)
+            crc = crc32(chunk, crc)
+            position += len(chunk)
+            left -= len(chunk)
+            if progress is not None:
+                progress(len(chunk))
+        if crc != segment.crc:
+            raise corrupt(name, segment.offset, step=step)
+
+
+def checksum_file(path: Loc) -> FileChecksum:
     """One segment over the whole file (files safeckpt did not write itself, e.g. ``.metadata``)."""
-    fd, info = open_regular(path)
-    try:
+    with path.store.open_read(path.key) as handle:
         crc, position = 0, 0
-        while position < info.st_size:
-            chunk = os.pread(fd, min(info.st_size - position, READ_CHUNK), position)
+        while position < handle.size:
+            chunk = handle.read(position, min(handle.size - position, READ_CHUNK))
             if not chunk:
                 break
             crc = crc32(chunk, crc)
             position += len(chunk)
-    finally:
-        os.close(fd)
     return FileChecksum((Segment(0, position, crc),))
 
 

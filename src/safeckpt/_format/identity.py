@@ -10,9 +10,9 @@ a registration amends a record but keeps those).
 from __future__ import annotations
 
 import enum
-import os
-from pathlib import Path
 
+from .._store.base import DIR
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .record import Record, read_record
 
@@ -30,7 +30,7 @@ def commit_of(record: Record) -> tuple[int, int | None, float]:
     return record.step, record.seq, record.time
 
 
-def fate_of(directory: Path, record: Record) -> Fate:
+def fate_of(directory: Loc, record: Record) -> Fate:
     """What became of the commit ``record`` describes, which was read from ``directory``.
 
     A replacement swaps in a whole directory with a whole record in it, so a
@@ -41,7 +41,8 @@ def fate_of(directory: Path, record: Record) -> Fate:
         now = read_record(directory)
     except (CheckpointError, OSError):
         now = None
-    if not os.path.isdir(directory):
+    entry = directory.entry()
+    if entry is None or entry.kind != DIR:
         return Fate.GONE
     if now is None or commit_of(now) == commit_of(record):
         return Fate.SAME

@@ -1,4 +1,4 @@
-"""Names and paths inside a checkpoint root. No I/O beyond listing.
+"""Names inside a checkpoint root. No I/O beyond listing (through the root's store).
 
 <root>/step_<N>/          a committed checkpoint (``metadata.json`` is its record)
 <root>/latest             pointer to the newest committed checkpoint
@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
+from .._store.base import DIR, LINK, Store
+from .._store.loc import Loc
 from ..errors import UnsafeCheckpointError
 
 RECORD_NAME = "metadata.json"
@@ -40,6 +40,20 @@ _STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 _STAGING_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.([0-9a-f]{12})$")
 _DAMAGED_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.([0-9a-f]{12})$")
 _TRASH_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.(pruned|replaced|abandoned)\.([0-9a-f]{12})$")
+
+
+_FLAT_NAME = re.compile(r"[^/\\\x00]+")
+
+
+def check_member_name(name: str, *, where: str) -> None:
+    """A file a checkpoint names must be a plain name inside it: no ``/``, no ``..``, not absolute."""
+    if not isinstance(name, str) or not _FLAT_NAME.fullmatch(name) or name in (".", ".."):
+        raise UnsafeCheckpointError(
+            f"{where} names the file {name!r}, which is not inside the checkpoint (absolute, with "
+            "'..' or a directory part). safeckpt reads only files inside a checkpoint; the "
+            "checkpoint was modified. Restore another one.",
+            path=where,
+        )
 
 
 def step_dirname(step: int) -> str:
@@ -75,88 +89,84 @@ def _token() -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """Paths of one checkpoint root."""
+    """Names of one checkpoint root, as :class:`~safeckpt._store.Loc` of its store."""
 
-    root: Path
+    root: Loc
 
     @property
-    def staging(self) -> Path:
+    def store(self) -> Store:
+        return self.root.store
+
+    @property
+    def staging(self) -> Loc:
         return self.root / STAGING_NAME
 
     @property
-    def trash(self) -> Path:
+    def trash(self) -> Loc:
         return self.root / TRASH_NAME
 
     @property
-    def damaged(self) -> Path:
+    def damaged(self) -> Loc:
         return self.root / DAMAGED_NAME
 
     @property
-    def lock_path(self) -> Path:
-        return self.root / LOCK_NAME
-
-    @property
-    def latest_path(self) -> Path:
+    def latest_path(self) -> Loc:
         return self.root / LATEST_NAME
 
-    def step_dir(self, step: int) -> Path:
+    def step_dir(self, step: int) -> Loc:
         return self.root / step_dirname(step)
 
-    def staging_dir(self, step: int, token: str) -> Path:
+    def staging_dir(self, step: int, token: str) -> Loc:
         """Where a save of ``step`` is written; ``token`` (12 hex digits) is the same on every rank."""
         if not re.fullmatch(r"[0-9a-f]{12}", token):
             raise ValueError(f"a staging token is 12 hex digits, got {token!r}")
         return self.staging / f"{step_dirname(step)}.{token}"
 
-    def new_trash_path(self, step: int, reason: str) -> Path:
+    def new_trash_path(self, step: int, reason: str) -> Loc:
         return self.trash / f"{step_dirname(step)}.{reason}.{_token()}"
 
-    def new_damaged_path(self, step: int) -> Path:
+    def new_damaged_path(self, step: int) -> Loc:
         return self.damaged / f"{step_dirname(step)}.{_token()}"
 
-    def committed_dirs(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every ``step_<N>`` directory, sorted by step.
+    def committed_dirs(self) -> list[tuple[int, Loc]]:
+        """``(step, location)`` of every ``step_<N>`` directory, sorted by step.
 
         A listed directory is not necessarily complete: read its record.
         """
         found = []
-        for entry in _scandir(self.root):
+        for entry in self.store.entries(self.root.key):
             step = parse_step_dirname(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
-                found.append((step, Path(entry.path)))
-        return sorted(found)
+            if step is not None and entry.kind == DIR:
+                found.append((step, self.root / entry.name))
+        return sorted(found, key=lambda f: f[0])
 
-    def staging_entries(self) -> list[Path]:
-        return sorted(Path(e.path) for e in _scandir(self.staging))
+    def staging_entries(self) -> list[Loc]:
+        return self._children(self.staging)
 
-    def trash_entries(self) -> list[Path]:
-        return sorted(Path(e.path) for e in _scandir(self.trash))
+    def trash_entries(self) -> list[Loc]:
+        return self._children(self.trash)
 
-    def damaged_entries(self) -> list[Path]:
+    def damaged_entries(self) -> list[Loc]:
         """Moved-aside damaged checkpoints (only names safeckpt made)."""
-        return sorted(Path(e.path) for e in _scandir(self.damaged) if parse_damaged_name(e.name) is not None)
+        return [loc for loc in self._children(self.damaged) if parse_damaged_name(loc.name) is not None]
+
+    def _children(self, directory: Loc) -> list[Loc]:
+        # the store never lists through a link: nothing is acted on in another directory through one
+        return [directory / e.name for e in self.store.entries(directory.key)]
 
     def check_private_dirs(self) -> None:
-        """Raise unless ``.staging`` and ``.trash`` are real directories of this root (or absent).
+        """Raise unless ``.staging``, ``.trash`` and ``.damaged`` are real directories of this root
+        (or absent).
 
         Everything in them is deleted eventually: through a symlink that would
         delete another directory's contents.
         """
-        for path in (self.staging, self.trash, self.damaged):
-            if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        for loc in (self.staging, self.trash, self.damaged):
+            entry = loc.entry()
+            if entry is not None and entry.kind != DIR:
                 raise UnsafeCheckpointError(
-                    f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a directory'}; "
+                    f"{loc} is {'a symbolic link' if entry.kind == LINK else 'not a directory'}; "
                     "safeckpt deletes what is in it, so it refuses to use it. Remove it (it is not "
                     "a checkpoint) and start again.",
-                    path=str(path),
+                    path=str(loc),
                 )
-
-
-def _scandir(path: Path) -> list[os.DirEntry[str]]:
-    if os.path.islink(path):  # never list (and so never act on) another directory through a link
-        return []
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []

@@ -14,17 +14,13 @@ import json
 import math
 import os
 import re
-import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .._fs.atomic import atomic_write
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
-from .._fs.safe_open import read_small
+from .._store.base import FILE, Lock
+from .._store.loc import Loc, as_loc
 from .._version import __version__
 from ..errors import IncompleteCheckpointError, InvalidSaveError, UnsafeCheckpointError
 from .layout import RECORD_NAME
@@ -252,17 +248,17 @@ def encode(record: Record) -> bytes:
     return f'{head[:-2]},\n  "checksums": {rows}\n}}\n'.encode()
 
 
-def read_record(checkpoint_dir: Path, *, step: int | None = None) -> Record | None:
-    """The record of ``checkpoint_dir``; None when it has none.
+def read_record(checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | None = None) -> Record | None:
+    """The record of ``checkpoint_dir`` (a path, or a name in a root's store); None when it has none.
 
     Raises :class:`IncompleteCheckpointError` when the record exists but cannot
     be parsed or validated (``step``: the step the directory stands for), and
     :class:`UnsafeCheckpointError` when it is not a regular file or names files
     outside the checkpoint. Takes no lock: records are replaced atomically.
     """
-    path = checkpoint_dir / RECORD_NAME
+    path = as_loc(checkpoint_dir) / RECORD_NAME
     try:
-        raw = read_small(path, limit=MAX_RECORD_BYTES, what="record")
+        raw = path.store.read_small(path.key, limit=MAX_RECORD_BYTES, what="record")
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -279,14 +275,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def write_record(checkpoint_dir: Path, record: Record, lock: SidecarLock, ops: FileOps) -> None:
+def write_record(checkpoint_dir: Loc, record: Record, lock: Lock) -> None:
     """Write ``record`` atomically into ``checkpoint_dir``. Holds the sidecar lock."""
+    path = checkpoint_dir / RECORD_NAME
     with lock:
-        atomic_write(checkpoint_dir / RECORD_NAME, encode(record), ops)
+        path.store.write_atomic(path.key, encode(record))
 
 
-def amend_record(checkpoint_dir: Path, lock: SidecarLock, ops: FileOps, **changes: Any) -> Record:
+def amend_record(checkpoint_dir: Loc, lock: Lock, **changes: Any) -> Record:
     """Re-read the record under the sidecar lock, change ``changes`` and write it back."""
+    path = checkpoint_dir / RECORD_NAME
     with lock:
         current = read_record(checkpoint_dir)
         if current is None:
@@ -295,7 +293,7 @@ def amend_record(checkpoint_dir: Path, lock: SidecarLock, ops: FileOps, **change
                 path=str(checkpoint_dir),
             )
         amended = dataclasses.replace(current, **changes)
-        atomic_write(checkpoint_dir / RECORD_NAME, encode(amended), ops)
+        path.store.write_atomic(path.key, encode(amended))
         return amended
 
 
@@ -304,20 +302,20 @@ def amend_record(checkpoint_dir: Path, lock: SidecarLock, ops: FileOps, **change
 _TRANSIENT_PREFIXES = (".nfs", ".fuse_hidden")
 
 
-def list_files(checkpoint_dir: Path) -> dict[str, int]:
+def list_files(checkpoint_dir: Loc | str | os.PathLike[str]) -> dict[str, int]:
     """Every regular file in ``checkpoint_dir`` except the record and NFS silly-rename files, with sizes.
 
     A checkpoint is flat (DCP with one file per rank, the train-state files): a
     directory or link inside one is not part of it.
     """
+    directory = as_loc(checkpoint_dir)
     files: dict[str, int] = {}
-    with os.scandir(checkpoint_dir) as entries:
-        for entry in entries:
-            name = entry.name
-            if name == RECORD_NAME or name.startswith(_TRANSIENT_PREFIXES) or _is_temp_name(name):
-                continue
-            if entry.is_file(follow_symlinks=False):
-                files[name] = entry.stat(follow_symlinks=False).st_size
+    for entry in directory.store.entries(directory.key):
+        name = entry.name
+        if name == RECORD_NAME or name.startswith(_TRANSIENT_PREFIXES) or _is_temp_name(name):
+            continue
+        if entry.kind == FILE:
+            files[name] = entry.size
     return files
 
 
@@ -329,22 +327,21 @@ def _is_temp_name(name: str) -> bool:
     return _TEMP_NAME.match(name) is not None
 
 
-def missing_or_wrong_files(checkpoint_dir: Path, record: Record) -> list[str]:
+def missing_or_wrong_files(checkpoint_dir: Loc | str | os.PathLike[str], record: Record) -> list[str]:
     """What makes ``checkpoint_dir`` disagree with its record; empty when complete.
 
     Stats only (``lstat``): a FIFO or a link where a file should be is a problem, never a hang.
     """
+    directory = as_loc(checkpoint_dir)
     problems = []
     for rel, size in sorted(record.files.items()):
-        try:
-            info = os.lstat(checkpoint_dir / rel)
-        except (FileNotFoundError, NotADirectoryError):
+        entry = (directory / rel).entry()
+        if entry is None:
             problems.append(f"{rel} is missing")
-            continue
-        if not stat.S_ISREG(info.st_mode):
+        elif entry.kind != FILE:
             problems.append(f"{rel} is not a regular file")
-        elif info.st_size != size:
-            problems.append(f"{rel} has {info.st_size} bytes, the record says {size}")
+        elif entry.size != size:
+            problems.append(f"{rel} has {entry.size} bytes, the record says {size}")
     return problems
 
 

@@ -10,28 +10,14 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
 import time
 from pathlib import Path
+from types import TracebackType
 
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 
 READ_CHUNK = 8 << 20
-
-
-_FLAT_NAME = re.compile(r"[^/\\\x00]+")
-
-
-def check_member_name(name: str, *, where: str) -> None:
-    """A file a checkpoint names must be a plain name inside it: no ``/``, no ``..``, not absolute."""
-    if not isinstance(name, str) or not _FLAT_NAME.fullmatch(name) or name in (".", ".."):
-        raise UnsafeCheckpointError(
-            f"{where} names the file {name!r}, which is not inside the checkpoint (absolute, with "
-            "'..' or a directory part). safeckpt reads only files inside a checkpoint; the "
-            "checkpoint was modified. Restore another one.",
-            path=where,
-        )
 
 
 def open_regular(path: Path) -> tuple[int, os.stat_result]:
@@ -51,6 +37,35 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, info
+
+
+class RegularFile:
+    """An open regular file: opened without following a link, its size as opened."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self.size = size
+
+    @classmethod
+    def open(cls, path: Path) -> RegularFile:
+        fd, info = open_regular(path)
+        return cls(fd, info.st_size)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return read_fd(self._fd, offset, length)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RegularFile:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 def _not_regular(path: Path, what: str) -> UnsafeCheckpointError:

@@ -37,14 +37,13 @@ from .._dist.participants import portable as _portable
 from .._format.checksums import FileChecksum, checksum_file
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
 from .._format.record import Record, list_files, read_record, write_record
-from .._fs.atomic import replace_dir, swap_pointer
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
 from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
+from .._store.base import Lock
+from .._store.loc import Loc
 from .._version import __version__
 from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementError, SaveFailedError
 from .background import COMMITTED, FAILED, StagingPool
@@ -75,7 +74,6 @@ class Committer:
         parts: Participants,
         plans: SavePlans,
         layout: Layout,
-        ops: FileOps,
         view: SaveView,
         pool: StagingPool | None,
         session: RootSession,
@@ -90,7 +88,7 @@ class Committer:
         self._parts = parts
         self._plans = plans
         self._layout = layout
-        self._ops = ops
+        self._store = layout.store
         self._view = view
         self._pool = pool
         self._session = session
@@ -103,7 +101,7 @@ class Committer:
         self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
 
     @property
-    def _lock(self) -> SidecarLock | None:
+    def _lock(self) -> Lock | None:
         return self._session.lock
 
     @property
@@ -177,13 +175,13 @@ class Committer:
         try:
             if parts.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
                 prints = fingerprints(job.dcp_state, job.step)
-            job.staging_dir.mkdir(parents=True, exist_ok=True)
+            self._store.make_dir(job.staging_dir.key)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(
                 nest_for_dcp(job.dcp_state), job.staging_dir, parts.writer, plans=self._plans
             )
             train_name = train_state_filename(parts.rank)
-            self._ops.write_file(job.staging_dir / train_name, job.train_state)
+            self._store.write_new((job.staging_dir / train_name).key, job.train_state)
             sums = {name: checksum.to_json() for name, checksum in written.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
         except _WRITE_ERRORS as e:
@@ -239,12 +237,12 @@ class Committer:
         else:
             pointer = "is unchanged"
         error = save_failed(
-            job.step, failed, own=own, root=self.root, latest=pointer, distributed=parts.distributed
+            job.step, failed, own=own, root=self._layout.root, latest=pointer, distributed=parts.distributed
         )
         self._view.finish(job, FAILED, error)
         logger.error("safeckpt: %s", error)
 
-    def _discard_staging(self, staging_dir: Path) -> None:
+    def _discard_staging(self, staging_dir: Loc) -> None:
         """Move a failed save's staging directory to the trash and delete it now (rank 0).
 
         Deleted before the failure is reported (on the writer thread), so a save
@@ -253,7 +251,7 @@ class Committer:
         """
         assert self._lock is not None
         try:
-            moved = collect_abandoned_staging(self._layout, self._lock, self._ops, only=staging_dir)
+            moved = collect_abandoned_staging(self._layout, self._lock, only=staging_dir)
             if moved and self._deleter is not None:
                 self._deleter.run_pass()
         except Exception as e:
@@ -294,15 +292,14 @@ class Committer:
                 checksums=sums,
                 seq=self._view.take_seq(),
             )
-            write_record(job.staging_dir, record, self._lock, self._ops)
-            layout.trash.mkdir(exist_ok=True)
+            write_record(job.staging_dir, record, self._lock)
+            self._store.make_dir(layout.trash.key)
             try:
-                replaced = replace_dir(
-                    job.staging_dir,
-                    target,
-                    layout.new_trash_path(job.step, REPLACED),
-                    layout.new_trash_path(job.step, PRUNED),
-                    self._ops,
+                replaced = self._store.commit_dir(
+                    job.staging_dir.key,
+                    target.key,
+                    displaced=layout.new_trash_path(job.step, REPLACED).key,
+                    retired=layout.new_trash_path(job.step, PRUNED).key,
                 )
             except OSError:
                 if not _holds(target, record):
@@ -313,7 +310,7 @@ class Committer:
             job.committed_here = True
             self._view.commit(Committed(target, record))
             try:
-                swap_pointer(layout.latest_path, step_dirname(job.step), self._ops)
+                self._store.write_pointer(layout.latest_path.key, step_dirname(job.step))
             except OSError as e:
                 logger.warning(
                     "safeckpt: step %d is committed, but moving `latest` to it failed (%s); resume "
@@ -332,7 +329,7 @@ class Committer:
         if entry is None:
             return
         self._registration.submit(
-            CommitInfo(step, entry.path, entry.record, self.root, is_best=self.is_best(step))
+            CommitInfo.of(step, entry.path, entry.record, self._layout.root, is_best=self.is_best(step))
         )
 
     def close_registration(self) -> None:
@@ -348,8 +345,13 @@ class Committer:
             entry = self._view.get(latest) if latest is not None else None
             if entry is not None and worker.saw_commit:
                 worker.submit(
-                    CommitInfo(
-                        latest, entry.path, entry.record, self.root, is_best=self.is_best(latest), final=True
+                    CommitInfo.of(
+                        latest,
+                        entry.path,
+                        entry.record,
+                        self._layout.root,
+                        is_best=self.is_best(latest),
+                        final=True,
                     )
                 )
         except Exception as e:
@@ -444,7 +446,7 @@ class Committer:
 
     def _trash_one(self, step: int) -> bool:
         assert self._lock is not None
-        moved, record = discard_checkpoint(self._layout, self._lock, self._ops, step)
+        moved, record = discard_checkpoint(self._layout, self._lock, step)
         if moved:
             self._view.forget(step)
         elif record is not None:
@@ -462,7 +464,7 @@ def _as_checkpoint_error(error: BaseException, step: int) -> CheckpointError:
     return wrapped
 
 
-def _holds(target: Path, record: Record) -> bool:
+def _holds(target: Loc, record: Record) -> bool:
     """Whether ``target`` is the checkpoint ``record`` describes (its commit happened)."""
     try:
         found = read_record(target)

@@ -9,14 +9,13 @@ takes the root.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from .._format.layout import Layout
 from .._format.record import Record
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
 from .._root.ownership import Ownership
 from .._root.quarantine import move_aside
+from .._store.base import Lock
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .saves import SaveView
 
@@ -27,13 +26,12 @@ class DamagedCommits:
     """Rank 0's list of commits found unloadable and not moved aside yet. Not thread-safe: the
     manager's calls (restore, save) use it one at a time."""
 
-    def __init__(self, layout: Layout, view: SaveView, ops: FileOps) -> None:
+    def __init__(self, layout: Layout, view: SaveView) -> None:
         self._layout = layout
         self._view = view
-        self._ops = ops
-        self._noted: dict[int, tuple[Path, Record, str]] = {}
+        self._noted: dict[int, tuple[Loc, Record, str]] = {}
 
-    def note(self, directory: Path, record: Record, reason: str) -> None:
+    def note(self, directory: Loc, record: Record, reason: str) -> None:
         """Auto-resume stepped over this commit: it no longer counts as the newest step."""
         self._noted[record.step] = (directory, record, reason)
 
@@ -41,7 +39,7 @@ class DamagedCommits:
     def steps(self) -> frozenset[int]:
         return frozenset(self._noted)
 
-    def move_aside(self, lock: SidecarLock | None, ownership: Ownership | None) -> None:
+    def move_aside(self, lock: Lock | None, ownership: Ownership | None) -> None:
         """Move every noted commit to ``.damaged/``, if ``ownership`` holds the root; failures only warn
         (the steps stay noted, out of the order check)."""
         if not self._noted or ownership is None or lock is None or not ownership.claimed:
@@ -51,7 +49,7 @@ class DamagedCommits:
         moved = []
         for step, (directory, record, reason) in sorted(self._noted.items()):
             try:
-                move_aside(self._layout, lock, self._ops, directory, record, reason)
+                move_aside(self._layout, lock, directory, record, reason)
             except (OSError, CheckpointError) as e:
                 logger.warning(
                     "safeckpt: could not move the unloadable step %d aside (%s); it stays where it is, "

@@ -21,23 +21,25 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from .._dcp.options import resolve as resolve_io
 from .._dist.participants import Participants
-from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._policy.retention import Policy, Retention, is_policy
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._restore.restored import Restored
+from .._store.registry import open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
 from .wiring import wire
+
+if TYPE_CHECKING:
+    from .._fs.fileops import FileOps
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,8 @@ class CheckpointManager:
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
-        self.root = Path(root).absolute()
+        store = open_store(root, ops=file_ops)
+        self.root = store.where("")
         self.read_only = bool(read_only)
         self.async_save = async_save
         self.retention = retention if retention is not None else Retention()
@@ -145,9 +148,8 @@ class CheckpointManager:
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
         parts = Participants.create(timeout=timeout, group=process_group)
         w = wire(
-            self.root,
+            store,
             parts,
-            ops=file_ops or DEFAULT_FILE_OPS,
             retention=self.retention,
             schedule=schedule,
             signals=signals,

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from .._dist.participants import Participants
 from .._format.record import amend_record
-from .._fs.fileops import FileOps
 from .._util.validate import validate_step
 from ..errors import CheckpointNotFoundError
 from .committer import Committer
@@ -32,7 +31,6 @@ class Pins:
         *,
         parts: Participants,
         view: SaveView,
-        ops: FileOps,
         session: RootSession,
         committer: Committer,
         outcomes: Outcomes,
@@ -40,7 +38,6 @@ class Pins:
         self.root = root
         self._parts = parts
         self._view = view
-        self._ops = ops
         self._session = session
         self._committer = committer
         self._outcomes = outcomes
@@ -72,7 +69,7 @@ class Pins:
                     path=str(self.root),
                 )
             if entry is not None:
-                record = amend_record(entry.path, lock, self._ops, pinned=pinned)
+                record = amend_record(entry.path, lock, pinned=pinned)
                 self._view.update(Committed(entry.path, record))
         if not pinned:
             self._committer.prune()

@@ -36,6 +36,7 @@ from .._restore.choose import (
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
 from .._restore.restored import Restored
+from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
 from ..errors import IncompleteCheckpointError
@@ -165,13 +166,13 @@ class Resumer:
                 filled[0],
             )
         return Restored.from_record(
-            record, directory, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
+            record, directory.where, missing=missing, unexpected=tuple(getattr(report, "unexpected", ()))
         )
 
     def _try_load(
         self,
         state: MutableMapping[str, Any],
-        directory: Path,
+        directory: Loc,
         record: Record,
         auto: bool,
         began: list[bool],
@@ -211,11 +212,11 @@ class Resumer:
         the whole checkpoint.
         """
         with using_io(self._io):
-            return load_state(self.root, step=validate_or_none(step))
+            return load_state(self._layout.root, step=validate_or_none(step))
 
     def _choose(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: set[int]
-    ) -> tuple[Path, Record] | None:
+    ) -> tuple[Loc, Record] | None:
         """Rank 0 chooses; every rank gets the same choice, or the same error."""
         parts = self._parts
         if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
@@ -229,7 +230,7 @@ class Resumer:
                 found = choose_checkpoint(
                     self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
                 )
-                choice = None if found is None else (str(found[0]), found[1].to_json())
+                choice = None if found is None else (found[0], found[1].to_json())
             except Exception as e:
                 error = e
         choice, error = parts.broadcast(
@@ -239,11 +240,11 @@ class Resumer:
             raise error
         if choice is None:
             return None
-        directory = Path(choice[0])
+        directory = choice[0]
         return directory, Record.from_json(choice[1], path=str(directory))
 
     def _next_move(
-        self, error: BaseException | None, what: str, directory: Path, record: Record, auto: bool
+        self, error: BaseException | None, what: str, directory: Loc, record: Record, auto: bool
     ) -> tuple[str, str]:
         """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
         was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume);
@@ -275,7 +276,7 @@ class Resumer:
             raise error
         raise agreed_error(failed, what=what, step=record.step)
 
-    def _fate(self, directory: Path, record: Record, what: str) -> Fate:
+    def _fate(self, directory: Loc, record: Record, what: str) -> Fate:
         """Rank 0 looks whether ``directory`` still holds ``record``'s commit; every rank learns it."""
         mine = fate_of(directory, record) if self._parts.is_leader else None
         if not self._parts.distributed:
@@ -285,11 +286,11 @@ class Resumer:
 
     # --- damaged checkpoints, moved aside ---------------------------------------------------
 
-    def _damaged_at_choice(self, directory: Path, record: Record | None, error: Exception) -> None:
+    def _damaged_at_choice(self, directory: Loc, record: Record | None, error: Exception) -> None:
         if record is not None:
             self._note_unloadable(directory, record, str(error))
 
-    def _note_unloadable(self, directory: Path, record: Record, reason: str) -> None:
+    def _note_unloadable(self, directory: Loc, record: Record, reason: str) -> None:
         """Rank 0: auto-resume stepped over this commit; it no longer counts as the newest step."""
         if self._parts.is_leader:
             self._damaged.note(directory, record, reason)
@@ -316,7 +317,7 @@ def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
     )
 
 
-def _attempt(fn: Any, directory: Path, record: Record, *args: Any) -> BaseException | None:
+def _attempt(fn: Any, directory: Loc, record: Record, *args: Any) -> BaseException | None:
     try:
         fn(directory, record, *args)
     except _WRITE_ERRORS as e:

@@ -24,6 +24,7 @@ from typing import Any
 
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo, Policy, Retention, explain, plan_removals
+from .._store.loc import Loc
 from ..errors import CheckpointError
 from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
 from .ledger import Flight, SaveLedger
@@ -39,7 +40,7 @@ class SaveJob(Flight):
 
     seq: int
     step: int
-    staging_dir: Path
+    staging_dir: Loc
     dcp_state: Any
     train_state: bytes
     metrics: Mapping[str, float | None]
@@ -71,7 +72,7 @@ class CheckpointStatus:
     step: int
     status: str
     """``"committed"``, ``"queued"`` or ``"writing"``."""
-    path: Path | None
+    path: Path | str | None
     metrics: Mapping[str, float | None]
     pinned: bool
     kept_because: tuple[str, ...]
@@ -80,7 +81,7 @@ class CheckpointStatus:
 
 @dataclass(frozen=True)
 class Committed:
-    path: Path
+    path: Loc
     record: Record
 
     def info(self) -> CheckpointInfo:
@@ -291,7 +292,7 @@ class SaveView:
         reasons = explain(infos, retention, {latest: "latest"} if latest is not None else {})
         out = [
             CheckpointStatus(
-                step, COMMITTED, c.path, dict(c.record.metrics), c.record.pinned, tuple(reasons[step])
+                step, COMMITTED, c.path.where, dict(c.record.metrics), c.record.pinned, tuple(reasons[step])
             )
             for step, c in committed.items()
         ]

@@ -8,17 +8,14 @@ for what an owner collects.
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 from .._dist.failures import root_not_writable
 from .._format.catalog import Catalog, scan
 from .._format.layout import Layout
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
 from .._root.ownership import Ownership, live_writer
 from .._root.removal import Deleter
 from .._root.startup import take_root
+from .._store.base import DIR, Lock
 from ..errors import ConfigError, RootNotWritableError
 from .damaged import DamagedCommits
 from .saves import Committed, SaveView
@@ -37,9 +34,7 @@ class RootSession:
 
     def __init__(
         self,
-        root: Path,
         layout: Layout,
-        ops: FileOps,
         view: SaveView,
         damaged: DamagedCommits,
         *,
@@ -47,15 +42,15 @@ class RootSession:
         lock_timeout: float,
         retry_interval: float,
     ) -> None:
-        self.root = root
+        self.root = layout.root
         self.read_only = read_only
         self._layout = layout
-        self._ops = ops
+        self._store = layout.store
         self._view = view
         self._damaged = damaged
         self._lock_timeout = lock_timeout
         self._retry_interval = retry_interval
-        self.lock: SidecarLock | None = None
+        self.lock: Lock | None = None
         self.ownership: Ownership | None = None
         self.deleter: Deleter | None = None
 
@@ -68,18 +63,19 @@ class RootSession:
         write is opened for reading, with a warning that names the cause; with
         ``read_only=True`` nothing is written and nothing is said.
         """
-        if self.root.exists() and not self.root.is_dir():
+        top = self.root.entry()
+        if top is not None and top.kind != DIR:
             raise ConfigError(
                 f"{self.root} is a file, not a directory; pass the directory checkpoints go into "
                 "(it is created if missing).",
                 path=str(self.root),
             )
-        self.lock = SidecarLock(self._layout.lock_path, timeout=self._lock_timeout)
-        self.ownership = Ownership(self.root, self.lock, self._ops)
+        self.lock = self._store.lock(timeout=self._lock_timeout)
+        self.ownership = Ownership(self.root, self.lock)
         claimed = False
         if not self.read_only:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                self._store.make_dir(self.root.key)
                 claimed = self.ownership.try_claim(writing=False)
             except OSError as e:  # a read-only root or snapshot: restore still works
                 error = root_not_writable(self.root, e, doing=f"opening {self.root}")
@@ -141,14 +137,13 @@ class RootSession:
     def _take_root(self) -> None:
         """Once this manager owns the root: start-up collection, the view, the deleter."""
         assert self.lock is not None and self.ownership is not None
-        catalog = take_root(self._layout, self.lock, self._ops)
+        catalog = take_root(self._layout, self.lock)
         self._load_view(catalog)
         self.move_damaged_aside()  # what a restore stepped over before this manager owned the root
         if self.deleter is None:
             self.deleter = Deleter(
                 self._layout,
                 self.lock,
-                self._ops,
                 retry_interval=self._retry_interval,
                 on_idle=self.ownership.heartbeat,
             )
@@ -198,7 +193,8 @@ class RootSession:
 
         The root existed once this manager was opened (it made it), so a missing one was removed.
         """
-        if os.path.isdir(self.root):
+        top = self.root.entry()
+        if top is not None and top.kind == DIR:
             return
         gone = sorted(c.record.step for c in self._view.snapshot()[0])
         logger.warning(
@@ -208,4 +204,4 @@ class RootSession:
             if gone
             else "It held no committed checkpoint.",
         )
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._store.make_dir(self.root.key)

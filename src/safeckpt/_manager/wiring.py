@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.layout import Layout
-from .._fs.fileops import FileOps
 from .._policy.retention import Policy, Retention
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._registration.worker import RegistrationWorker
 from .._state.walk import StateCache
+from .._store.base import Store
+from .._store.loc import Loc
 from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
@@ -54,10 +54,9 @@ class Wiring:
 
 
 def wire(
-    root: Path,
+    store: Store,
     parts: Participants,
     *,
-    ops: FileOps,
     retention: Retention | Policy,
     schedule: SaveSchedule | None,
     signals: PreemptionHandlers,
@@ -72,15 +71,14 @@ def wire(
     io: IOOptions,
 ) -> Wiring:
     """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails."""
-    layout = Layout(root)
+    layout = Layout(Loc(store))
+    root = layout.root.where
     view = SaveView()
     plans = SavePlans()  # DCP's plans of this manager's saves, reused while they stay the same
     state_cache = StateCache()  # the state's structure, reused while it stays the same
-    damaged = DamagedCommits(layout, view, ops)
+    damaged = DamagedCommits(layout, view)
     session = RootSession(
-        root,
         layout,
-        ops,
         view,
         damaged,
         read_only=read_only,
@@ -96,7 +94,7 @@ def wire(
             if registrar is not None and not read_only:
                 assert session.lock is not None
                 registration = RegistrationWorker(
-                    registrar, session.lock, ops, root, timeout=registration_timeout
+                    registrar, session.lock, layout.root, timeout=registration_timeout
                 )
         except BaseException as e:
             error = e
@@ -110,7 +108,6 @@ def wire(
         parts=parts,
         plans=plans,
         layout=layout,
-        ops=ops,
         view=view,
         pool=pool,
         session=session,
@@ -131,9 +128,7 @@ def wire(
         save_rng=save_rng,
         io=io,
     )
-    pins = Pins(
-        root, parts=parts, view=view, ops=ops, session=session, committer=committer, outcomes=outcomes
-    )
+    pins = Pins(root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes)
     saver = Saver(
         root,
         token=token,

@@ -36,8 +36,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .._dcp import io as dcp_io
 from .._format.layout import Layout
 from .._format.record import Record
-from .._fs.fileops import DEFAULT_FILE_OPS
 from .._restore.choose import check_own_files, choose_checkpoint, read_chosen
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class ExportTensor:
 class ExportPlan:
     """What :func:`write_export` will write: from which checkpoint, which tensors, in which files."""
 
-    directory: Path
+    directory: Loc
     step: int | None
     key: str
     format: str
@@ -132,9 +133,9 @@ class ExportPlan:
 class ExportResult:
     """What :func:`export_weights` wrote."""
 
-    path: Path
+    path: Path | str
     step: int | None
-    source: Path
+    source: Path | str
     format: str
     files: list[str] = field(default_factory=list)
     tensors: int = 0
@@ -184,9 +185,10 @@ def _check_options(format: str, shard_size: int) -> None:
         raise ConfigError(f"shard_size={shard_size!r}: must be a positive number of bytes.")
 
 
-def _run_root(root: str | os.PathLike[str]) -> Layout:
-    layout = Layout(Path(root).absolute())
-    if not layout.root.is_dir():
+def _run_root(root: Loc | str | os.PathLike[str]) -> Layout:
+    layout = Layout(as_root(root))
+    top = layout.root.entry()
+    if top is None or top.kind != DIR:
         raise CheckpointNotFoundError(f"{root} does not exist or is not a directory.", path=str(layout.root))
     return layout
 
@@ -312,66 +314,62 @@ def write_export(
     progress: Callable[[int], None] | None = None,
     read_budget: int = DEFAULT_READ_BUDGET,
 ) -> ExportResult:
-    """Write ``plan`` to ``out`` (a file for ``"safetensors"``, a folder for ``"hf"``), atomically."""
-    target = Path(out).absolute()
-    if os.path.lexists(target) and not force:
+    """Write ``plan`` to ``out`` (a file for ``"safetensors"``, a folder for ``"hf"``), atomically.
+
+    ``out`` is written through the store of its parent (made if missing), under a temp
+    name, and renamed into place (a folder is swapped in whole).
+    """
+    target = as_loc(out)
+    store = target.store
+    found = target.entry()
+    if found is not None and not force:
         raise ExportExistsError(
             f"{out} exists already; pass --force (force=True) to replace it, or choose another path.",
             path=str(target),
         )
-    if plan.format == SAFETENSORS and target.is_dir():
+    if plan.format == SAFETENSORS and found is not None and found.kind == DIR:
         raise ExportExistsError(
             f"{out} is a directory; the safetensors format writes one file. Use --format hf for a "
             "folder, or name a file.",
             path=str(target),
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp.{uuid.uuid4().hex[:12]}")
+    store.make_dir(target.parent.key)
+    tmp = target.parent / f".{target.name}.tmp.{uuid.uuid4().hex[:12]}"
     advance = progress or (lambda n: None)
     metadata = {"format": "pt", "safeckpt.step": str(plan.step), "safeckpt.key": plan.key}
-    result = ExportResult(target, plan.step, plan.directory, plan.format, tensors=len(plan.tensors))
+    result = ExportResult(
+        target.where, plan.step, plan.directory.where, plan.format, tensors=len(plan.tensors)
+    )  # type: ignore[arg-type]
     result.bytes = plan.total_bytes
     try:
         if plan.format == SAFETENSORS:
             _write_safetensors(tmp, plan, plan.shards[0], metadata, advance, read_budget)
-            os.replace(tmp, target)
+            store.move(tmp.key, target.key)
             result.files = [target.name]
         else:
-            tmp.mkdir()
+            store.make_dir(tmp.key)
             names = plan.shard_names()
             weight_map = {}
             for name, shard in zip(names, plan.shards, strict=True):
                 _write_safetensors(tmp / name, plan, shard, metadata, advance, read_budget)
                 weight_map.update({t.name: name for t in shard})
             index = {"metadata": {"total_size": plan.total_bytes, **metadata}, "weight_map": weight_map}
-            DEFAULT_FILE_OPS.write_file(tmp / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-            DEFAULT_FILE_OPS.fsync_dir(tmp)
-            _swap_in(tmp, target)
+            store.write_new((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            store.sync(tmp.key)
+            # no moment without a whole output: the old folder ends at the temp name, removed below
+            store.commit_dir(tmp.key, target.key, displaced=f"{tmp.key}.old", retired=tmp.key)
             result.files = [*names, INDEX_NAME]
-        DEFAULT_FILE_OPS.fsync_dir(target.parent)
+        store.sync(target.parent.key)
     finally:
-        if os.path.lexists(tmp):
-            DEFAULT_FILE_OPS.rmtree(tmp)
+        for leftover in (tmp, target.parent / f"{tmp.name}.old"):
+            if leftover.entry() is not None:
+                store.remove(leftover.key)
     logger.info("exported %d tensors of %s to %s", result.tensors, plan.directory, target)
     return result
 
 
-def _swap_in(new: Path, target: Path) -> None:
-    """Put folder ``new`` at ``target``; a folder already there ends at ``new`` (removed by the caller)."""
-    if not os.path.lexists(target):
-        os.replace(new, target)
-        return
-    try:
-        DEFAULT_FILE_OPS.exchange(new, target)  # atomic: no moment without a whole output
-    except OSError:
-        old = new.with_name(new.name + ".old")
-        os.replace(target, old)
-        os.replace(new, target)
-        os.replace(old, new)
-
-
 def _write_safetensors(
-    path: Path,
+    path: Loc,
     plan: ExportPlan,
     tensors: tuple[ExportTensor, ...],
     metadata: Mapping[str, str],
@@ -389,7 +387,7 @@ def _write_safetensors(
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
+    with path.store.open_write(path.key) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for group in _groups(tensors, read_budget):
@@ -399,8 +397,6 @@ def _write_safetensors(
                 f.write(memoryview(tensor.view(torch.uint8).numpy()))
                 del tensor
                 advance(t.nbytes)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _groups(tensors: tuple[ExportTensor, ...], budget: int) -> Iterator[list[ExportTensor]]:

@@ -7,6 +7,7 @@ train-state files. No tensor data is loaded and no lock is taken.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import struct
@@ -21,6 +22,8 @@ from .._format.layout import Layout, parse_step_dirname
 from .._format.record import list_files, read_record
 from .._policy.retention import Retention, explain
 from .._restore.choose import choose_checkpoint
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .maintenance import infos, protected_steps, recorded_retention
 
@@ -53,7 +56,7 @@ def kept_because(catalog: Catalog, retention: Retention | None) -> dict[int, lis
     return out
 
 
-def resolve_checkpoint(root: Path, target: int | str | os.PathLike[str] | None) -> tuple[Path, str]:
+def resolve_checkpoint(root: Loc, target: int | str | os.PathLike[str] | None) -> tuple[Loc, str]:
     """The directory ``target`` names in ``root``, and how it was chosen.
 
     None: what auto-resume would take (``restore()``'s own choice: ``latest``, or the
@@ -74,7 +77,7 @@ def resolve_checkpoint(root: Path, target: int | str | os.PathLike[str] | None) 
         return directory, LATEST if parse_step_dirname(directory.name) == latest else NEWEST_COMPLETE
     if isinstance(target, int):
         directory = Layout(root).step_dir(target)
-        if not directory.is_dir():
+        if not _is_dir(directory):
             raise CheckpointNotFoundError(
                 f"there is no checkpoint of step {target} in {root}; `safeckpt ls {root}` lists "
                 "the steps there.",
@@ -82,9 +85,11 @@ def resolve_checkpoint(root: Path, target: int | str | os.PathLike[str] | None) 
                 step=target,
             )
         return directory, GIVEN
-    path = Path(target)
-    directory = root / path if not path.is_absolute() and (root / path).is_dir() else path.absolute()
-    if not directory.is_dir():
+    text = os.fspath(target)
+    relative = Path(text).as_posix()
+    inside = not Path(text).is_absolute() and "://" not in text and ".." not in Path(text).parts
+    directory = root / relative if inside and _is_dir(root / relative) else as_loc(text)
+    if not _is_dir(directory):
         raise CheckpointNotFoundError(
             f"there is no checkpoint directory {target}; pass a step number or a step_<N> "
             f"directory (`safeckpt ls {root}` lists them).",
@@ -93,12 +98,18 @@ def resolve_checkpoint(root: Path, target: int | str | os.PathLike[str] | None) 
     return directory, GIVEN
 
 
-def tensor_table(checkpoint_dir: Path) -> list[dict[str, Any]]:
+def _is_dir(loc: Loc) -> bool:
+    entry = loc.entry()
+    return entry is not None and entry.kind == DIR
+
+
+def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every entry of DCP's ``.metadata``: FQN, kind, dtype, shape, bytes and chunks.
 
     A chunk is one rank's piece of a tensor (``offsets``/``sizes`` per dimension, and
     the file that holds it); an unsharded tensor has one chunk covering it.
     """
+    checkpoint_dir = as_loc(checkpoint_dir)
     metadata = dcp_io.read_metadata(checkpoint_dir)
     files: dict[tuple[str, tuple[int, ...] | None], str] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -136,7 +147,7 @@ def tensor_table(checkpoint_dir: Path) -> list[dict[str, Any]]:
     return table
 
 
-def train_state_summary(checkpoint_dir: Path) -> dict[str, Any]:
+def train_state_summary(checkpoint_dir: Loc | str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON part of each rank's train-state file, read from its header only.
 
     ``entries`` is the state's structure with its plain values: a tensor (stored by DCP)
@@ -146,8 +157,10 @@ def train_state_summary(checkpoint_dir: Path) -> dict[str, Any]:
     dtypes as their names. The
     RNG state is summarised by the generators it holds.
     """
+    checkpoint_dir = as_loc(checkpoint_dir)
     out = {}
-    for path in sorted(checkpoint_dir.glob("train_state.rank*.safetensors")):
+    names = [e.name for e in checkpoint_dir.store.entries(checkpoint_dir.key)]
+    for path in [checkpoint_dir / n for n in sorted(fnmatch.filter(names, "train_state.rank*.safetensors"))]:
         header = _safetensors_header(path)
         try:
             document = json.loads(header["__metadata__"]["safeckpt.train_state"])
@@ -195,13 +208,13 @@ def _render_tree(node: Any, values: list[Any], header: dict[str, Any]) -> Any:
     raise ValueError(f"unknown node tag {tag!r}")
 
 
-def _safetensors_header(path: Path) -> dict[str, Any]:
+def _safetensors_header(path: Loc) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+        with path.store.open_read(path.key) as f:
+            (length,) = struct.unpack("<Q", f.read(0, 8))
             if length > 100 << 20:
                 raise ValueError(f"header of {length} bytes")
-            header = json.loads(f.read(length))
+            header = json.loads(f.read(8, length))
     except (OSError, struct.error, ValueError) as e:
         raise CheckpointError(
             f"{path} is not a readable safetensors file ({e}); the checkpoint is damaged. Run "
@@ -245,11 +258,12 @@ def inspect_checkpoint(
     ``status`` is ``"incomplete"`` and ``problems`` says why; parts that cannot be read
     are None with the reason in ``problems``.
     """
-    root_path = Path(root).absolute()
-    if not root_path.is_dir():
+    top = as_root(root)
+    root_path = top.where
+    if not _is_dir(top):
         raise CheckpointNotFoundError(f"{root} does not exist or is not a directory.", path=str(root_path))
-    directory, chosen_by = resolve_checkpoint(root_path, target)
-    catalog = scan(root_path)
+    directory, chosen_by = resolve_checkpoint(top, target)
+    catalog = scan(top)
     step = parse_step_dirname(directory.name)
     entry = next((e for e in catalog.entries if e.path == directory), None)
     problems: list[str] = []

@@ -11,17 +11,16 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .._dcp import io as dcp_io
 from .._format.catalog import Catalog, Entry, damaged_note, scan, settled_scan, verify_files
 from .._format.checksums import verify_file
 from .._format.layout import Layout, parse_damaged_name, parse_step_dirname
 from .._format.record import Record, amend_record
-from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
-from .._fs.lock import SidecarLock
 from .._policy.retention import CheckpointInfo, Retention, plan_removals
 from .._root.removal import Deleter, discard_checkpoint, recover_interrupted_replacements
+from .._store.base import DIR, FILE, LINK, Lock, Store
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
 
@@ -64,7 +63,7 @@ RECORDED = "recorded"
 class PruneResult:
     removed: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
-    left_in_trash: list[Path] = field(default_factory=list)
+    left_in_trash: list[Loc] = field(default_factory=list)
     rule: str = ""
     """The retention applied, in words (``Retention.policy().reason()``)."""
     source: str = GIVEN
@@ -72,12 +71,11 @@ class PruneResult:
 
 
 def prune(
-    root: str | os.PathLike[str],
+    root: Loc | Store | str | os.PathLike[str],
     retention: Retention | None,
     *,
     dry_run: bool = False,
     drain_timeout: float = 30.0,
-    file_ops: FileOps | None = None,
 ) -> PruneResult:
     """Apply ``retention`` to the committed checkpoints of ``root`` and delete what falls out.
 
@@ -86,22 +84,20 @@ def prune(
     prune does what the job itself does at its next commit. Raises :class:`ConfigError`
     when the records name none this can apply.
     """
-    ops = file_ops or DEFAULT_FILE_OPS
-    layout = Layout(Path(root).absolute())
-    if not layout.root.is_dir():
+    layout = Layout(as_root(root))
+    if not _is_dir(layout.root):
         raise CheckpointNotFoundError(f"{layout.root} is not a directory.", path=str(layout.root))
-    lock = SidecarLock(layout.lock_path)
+    lock = layout.store.lock(timeout=300.0)
     try:
-        return _prune_locked(layout, lock, ops, retention, dry_run=dry_run, drain_timeout=drain_timeout)
+        return _prune_locked(layout, lock, retention, dry_run=dry_run, drain_timeout=drain_timeout)
     finally:
         lock.close()
 
 
 def _prune_locked(
     layout: Layout,
-    lock: SidecarLock,
-    ops: FileOps,
-    retention: Retention,
+    lock: Lock,
+    retention: Retention | None,
     *,
     dry_run: bool,
     drain_timeout: float,
@@ -109,7 +105,7 @@ def _prune_locked(
     result = PruneResult()
     layout.check_private_dirs()
     if not dry_run:
-        recover_interrupted_replacements(layout, lock, ops)
+        recover_interrupted_replacements(layout, lock)
     with lock:
         catalog = scan(layout.root)
         if retention is None:
@@ -120,9 +116,9 @@ def _prune_locked(
         result.removed = sorted(drop)
         if dry_run:
             return result
-        result.removed = [s for s in result.removed if discard_checkpoint(layout, lock, ops, s)[0]]
+        result.removed = [s for s in result.removed if discard_checkpoint(layout, lock, s)[0]]
         result.kept = sorted(set(catalog.committed) - set(result.removed))
-    result.left_in_trash = Deleter(layout, lock, ops).drain(drain_timeout)
+    result.left_in_trash = Deleter(layout, lock).drain(drain_timeout)
     return result
 
 
@@ -137,17 +133,15 @@ def _recorded_or_refuse(catalog: Catalog) -> Retention:
     return retention
 
 
-def set_pinned(
-    root: str | os.PathLike[str], step: int, pinned: bool, *, file_ops: FileOps | None = None
-) -> Record:
+def set_pinned(root: Loc | Store | str | os.PathLike[str], step: int, pinned: bool) -> Record:
     """Pin (or unpin) ``step`` in its record, under the sidecar lock."""
-    layout = Layout(Path(root).absolute())
+    layout = Layout(as_root(root))
     path = layout.step_dir(step)
-    if not path.is_dir():
+    if not _is_dir(path):
         raise CheckpointNotFoundError(f"there is no checkpoint of step {step} in {layout.root}.", step=step)
-    lock = SidecarLock(layout.lock_path)
+    lock = layout.store.lock(timeout=300.0)
     try:
-        return amend_record(path, lock, file_ops or DEFAULT_FILE_OPS, pinned=pinned)
+        return amend_record(path, lock, pinned=pinned)
     finally:
         lock.close()
 
@@ -201,7 +195,7 @@ def verify_root(
     checkpoint found broken is looked up again before it is reported: gone (pruned while it
     was read) it is left out; replaced by a new copy of its step, the copy is verified.
     """
-    path = Path(root).absolute()
+    path = as_root(root)
     catalog = catalog if catalog is not None else settled_scan(path)
     entries = {e.step: e for e in catalog.entries}
     if steps:
@@ -221,14 +215,14 @@ def verify_root(
     return VerifyReport(report, latest, damaged_checkpoints(catalog))
 
 
-def _verify_settled(root: Path, entry: Entry, progress: Callable[[int], None] | None) -> list[str] | None:
+def _verify_settled(root: Loc, entry: Entry, progress: Callable[[int], None] | None) -> list[str] | None:
     """``entry``'s problems, confirmed on a fresh look; None when it went away meanwhile."""
     for _ in range(_REVERIFY_ATTEMPTS):
         problems = verify_entry(entry, progress=progress)
         if not problems:
             return problems
         again = next((e for e in scan(root).entries if e.step == entry.step), None)
-        if again is None or not os.path.lexists(again.path):
+        if again is None or again.path.entry() is None:
             return None  # pruned (moved to the trash) while we read it: gone, not broken
         if again.path == entry.path and again.record == entry.record:
             return problems  # the same checkpoint, still broken
@@ -257,13 +251,14 @@ def latest_problem(catalog: Catalog, report: dict[int, list[str]] | None = None)
     target = catalog.layout.root / name
     if step is None:
         return f"`latest` points to {name}, not to a checkpoint directory of this root" + fallback
-    if os.path.islink(target):
+    found = target.entry()
+    if found is not None and found.kind == LINK:
         return (
-            f"`latest` names {name}, a symbolic link to {os.readlink(target)}, not a checkpoint of this root"
+            f"`latest` names {name}, a symbolic link to {found.target}, not a checkpoint of this root"
             + fallback
         )
     if step not in catalog.committed:
-        what = "is not a committed checkpoint" if os.path.lexists(target) else "does not exist"
+        what = "is not a committed checkpoint" if found is not None else "does not exist"
         return f"`latest` names {name}, which {what}" + fallback
     if step in broken:
         return f"`latest` names step {step}, which is broken" + fallback
@@ -278,7 +273,7 @@ class Damaged:
     none (or a malformed one)."""
 
     step: int
-    path: Path
+    path: Loc
     reason: str | None
     time: float | None
     seq: int | None
@@ -321,20 +316,22 @@ def _finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _flat_size(path: Path) -> int:
+def _flat_size(path: Loc) -> int:
     """The bytes of the regular files in ``path``, its record and note included (what gc frees)."""
     try:
-        with os.scandir(path) as entries:
-            return sum(
-                e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False)
-            )
-    except OSError:  # removed meanwhile (by gc), or unreadable
+        return sum(e.size for e in path.store.entries(path.key) if e.kind == FILE)
+    except OSError:  # unreadable
         return 0
+
+
+def _is_dir(loc: Loc) -> bool:
+    entry = loc.entry()
+    return entry is not None and entry.kind == DIR
 
 
 def total_bytes(root: str | os.PathLike[str], steps: Sequence[int] | None = None) -> int:
     """What :func:`verify` reads, in bytes (for a progress bar's total)."""
-    catalog = scan(Path(root).absolute())
+    catalog = scan(as_root(root))
     return sum(
         e.record.size for e in catalog.entries if e.record is not None and (not steps or e.step in steps)
     )

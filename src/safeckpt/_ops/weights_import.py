@@ -5,6 +5,7 @@ step ``step`` of a root through :class:`CheckpointManager`, so a run can start f
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from .._format.layout import Layout
+from .._store.base import DIR, FILE
+from .._store.loc import as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .export import INDEX_NAME, ExportExistsError
 
@@ -23,16 +26,19 @@ def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or of a folder (its index file, else every ``*.safetensors``)."""
     from safetensors.torch import load_file
 
-    source = Path(path)
-    if source.is_file():
+    source = as_loc(path)
+    found = source.entry()
+    if found is not None and found.kind == FILE:
         files = [source]
-    elif source.is_dir():
+    elif found is not None and found.kind == DIR:
         index = source / INDEX_NAME
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = {e.name: e.kind for e in source.store.entries(source.key)}
+        if names.get(INDEX_NAME) == FILE:
+            text = index.store.read_small(index.key, limit=64 << 20, what="weights index")
+            weight_map = json.loads(text).get("weight_map", {})
             files = [source / name for name in sorted(set(weight_map.values()))]
         else:
-            files = sorted(source.glob("*.safetensors"))
+            files = [source / n for n in sorted(fnmatch.filter(names, "*.safetensors"))]
         if not files:
             raise CheckpointNotFoundError(
                 f"{path} holds no .safetensors files; pass a safetensors file or a folder of them.",
@@ -43,7 +49,7 @@ def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            loaded = load_file(str(file))
+            loaded = load_file(str(file.where))  # a local file: safetensors reads it itself
         except Exception as e:  # safetensors raises its own SafetensorError
             raise CheckpointError(
                 f"{file} is not a readable safetensors file ({type(e).__name__}: {e}).", path=str(file)
@@ -98,18 +104,19 @@ def import_weights(
     from .._root.ownership import in_use_error, live_writer
 
     tensors = read_weights(weights)
-    source = str(Path(weights).absolute())
-    directory = Layout(Path(root).absolute()).step_dir(step)
-    if directory.exists() and not overwrite:
+    source = str(as_loc(weights))
+    top = as_root(root)
+    directory = Layout(top).step_dir(step)
+    if directory.entry() is not None and not overwrite:
         raise ExportExistsError(
             f"{root} has a checkpoint of step {step} already; pass --overwrite (overwrite=True) to "
             "replace it, or import as another --step.",
             path=str(directory),
             step=step,
         )
-    writer = live_writer(Path(root).absolute())
+    writer = live_writer(top)
     if writer is not None:  # refused at once, as the save would refuse it, before opening anything
-        raise in_use_error(Path(root).absolute(), writer)
+        raise in_use_error(top, writer)
     with CheckpointManager(root, async_save=False, **manager_options) as mgr:
         mgr.save(step, {key: weights_module(tensors)}, extra={"imported_from": source}, overwrite=overwrite)
-    return directory
+    return directory.where  # type: ignore[return-value]

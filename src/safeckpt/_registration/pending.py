@@ -9,16 +9,15 @@ alone: the registrar each registration recorded is rebuilt from its
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from .._format.catalog import scan
-from .._format.layout import Layout
 from .._format.record import Record
-from .._fs.fileops import DEFAULT_FILE_OPS
-from .._fs.lock import SidecarLock
 from .._policy.retention import CheckpointInfo
+from .._store.base import Store
+from .._store.loc import as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .registrar import Registrar
 from .worker import RETRIED, CommitInfo, is_best, register_one
@@ -45,7 +44,7 @@ def registrar_from_json(data: Mapping[str, Any]) -> Registrar:
 
 
 def register_pending(
-    root: str | Path, registrar: Registrar | None = None, *, step: int | None = None
+    root: str | os.PathLike[str] | Store, registrar: Registrar | None = None, *, step: int | None = None
 ) -> list[tuple[int, str]]:
     """(Re)register committed checkpoints of ``root``: ``(step, status)`` for each one tried.
 
@@ -58,11 +57,11 @@ def register_pending(
     idempotent for registrars that look up before they create (MLflow does).
     Holds the sidecar lock for each record amend; safe while a job writes.
     """
-    root = Path(root).absolute()
-    layout = Layout(root)
-    catalog = scan(root)
+    top = as_root(root)
+    root = top.where
+    catalog = scan(top)
     committed = catalog.committed
-    lock = SidecarLock(layout.lock_path)
+    lock = top.store.lock(timeout=300.0)
     try:
         if step is not None:
             if step not in committed:
@@ -90,15 +89,15 @@ def register_pending(
                 continue
             # The newest step counts as the run's final one for a registrar that chooses
             # (which="final"); one that registers every commit just registers it.
-            info = CommitInfo(
+            info = CommitInfo.of(
                 record.step,
                 entry.path,
                 record,
-                root,
+                top,
                 is_best=is_best(record.step, infos, _record_retention(record)),
                 final=record.step == catalog.latest_step and hasattr(which, "should_register"),
             )
-            status = register_one(which, info, lock, DEFAULT_FILE_OPS, check=check)
+            status = register_one(which, info, lock, check=check)
             if status is not None:
                 results.append((record.step, status))
         for rebuilt in built.values():

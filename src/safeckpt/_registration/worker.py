@@ -28,15 +28,15 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._format.catalog import scan
 from .._format.record import Record, amend_record, check_json_value, read_record
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
 from .._policy.retention import CheckpointInfo, KeepBest
+from .._store.base import Lock
+from .._store.loc import Loc, as_loc
 from ..errors import CheckpointError, IncompleteCheckpointError
 from .registrar import Registrar
 
@@ -66,6 +66,26 @@ class CommitInfo:
     """The best committed checkpoint by retention's ``keep_best`` metric when it committed."""
     final: bool = False
     """Submitted by ``close()`` for the checkpoint ``latest`` names, not by a commit."""
+    location: Loc | None = field(default=None, repr=False, compare=False)
+    """Where safeckpt reads and amends the record (its root's store); None: ``path``."""
+
+    @staticmethod
+    def of(
+        step: int, directory: Loc, record: Record, root: Loc, *, is_best: bool = False, final: bool = False
+    ) -> CommitInfo:
+        """The info of a commit at ``directory`` of ``root``, paths as a person names them."""
+        return CommitInfo(
+            step,
+            directory.where,
+            record,
+            root.where,
+            is_best=is_best,
+            final=final,
+            location=directory,  # type: ignore[arg-type]
+        )
+
+    def _loc(self) -> Loc:
+        return self.location if self.location is not None else as_loc(self.path)
 
 
 def wants(registrar: Registrar, info: CommitInfo) -> bool:
@@ -136,8 +156,7 @@ def _error_text(error: BaseException) -> str:
 def register_one(
     registrar: Registrar,
     info: CommitInfo,
-    lock: SidecarLock,
-    ops: FileOps,
+    lock: Lock,
     *,
     check: bool = True,
     abandoned: Callable[[], bool] = lambda: False,
@@ -185,7 +204,7 @@ def register_one(
         return None
     outcome["time"] = time.time()
     _attach_registrar(outcome, registrar)
-    return outcome["status"] if _write_outcome(info, outcome, lock, ops) else None
+    return outcome["status"] if _write_outcome(info, outcome, lock) else None
 
 
 def _attach_registrar(outcome: dict[str, Any], registrar: Registrar) -> None:
@@ -204,7 +223,7 @@ def _attach_registrar(outcome: dict[str, Any], registrar: Registrar) -> None:
 def _current_record(info: CommitInfo) -> Record | None:
     """The record at ``info.path`` if it is still the checkpoint ``info`` is about."""
     try:
-        record = read_record(info.path)
+        record = read_record(info._loc())
     except (IncompleteCheckpointError, OSError):
         return None
     if record is None or record.time != info.record.time or record.step != info.step:
@@ -212,13 +231,13 @@ def _current_record(info: CommitInfo) -> Record | None:
     return record
 
 
-def _write_outcome(info: CommitInfo, outcome: dict[str, Any], lock: SidecarLock, ops: FileOps) -> bool:
+def _write_outcome(info: CommitInfo, outcome: dict[str, Any], lock: Lock) -> bool:
     try:
         with lock:
             # Re-checked under the lock: a prune or a re-save may have happened meanwhile.
             if _current_record(info) is None:
                 return False
-            amend_record(info.path, lock, ops, registration=outcome)
+            amend_record(info._loc(), lock, registration=outcome)
             return True
     except (CheckpointError, OSError) as e:
         logger.warning("safeckpt: could not record the registration of step %d: %s", info.step, e)
@@ -238,17 +257,15 @@ class RegistrationWorker:
     def __init__(
         self,
         registrar: Registrar,
-        lock: SidecarLock,
-        ops: FileOps,
-        root: Path,
+        lock: Lock,
+        root: Loc,
         *,
         timeout: float = 60.0,
     ) -> None:
         self.registrar = registrar
-        self.root = Path(root)
+        self.root = root
         self.timeout = timeout
         self._lock = lock
-        self._ops = ops
         self._cond = threading.Condition()
         self._queue: deque[CommitInfo] = deque()
         self._current: CommitInfo | None = None
@@ -337,7 +354,7 @@ class RegistrationWorker:
             timeout,
             self.root,
         )
-        lock = SidecarLock(self._lock.path, timeout=_CLOSE_LOCK_TIMEOUT)
+        lock = self.root.store.lock(timeout=_CLOSE_LOCK_TIMEOUT)
         budget = time.monotonic() + 2 * _CLOSE_LOCK_TIMEOUT  # marking is best effort: bounded too
         for info in infos:
             if time.monotonic() > budget:
@@ -351,7 +368,7 @@ class RegistrationWorker:
                 "time": time.time(),
             }
             _attach_registrar(outcome, self.registrar)
-            _write_outcome(info, outcome, lock, self._ops)
+            _write_outcome(info, outcome, lock)
 
     @staticmethod
     def _registered_before(info: CommitInfo) -> bool:
@@ -405,7 +422,6 @@ class RegistrationWorker:
             self.registrar,
             info,
             self._lock,
-            self._ops,
             check=check,
             abandoned=lambda: self._abandoned,
             retry=retry,
@@ -427,6 +443,6 @@ class RegistrationWorker:
             if not entry.committed or record is None or not isinstance(record.registration, Mapping):
                 continue
             if record.registration.get("status") in RETRIED:
-                found.append(CommitInfo(record.step, entry.path, record, self.root))
+                found.append(CommitInfo.of(record.step, entry.path, record, self.root))
         for info in sorted(found, key=lambda i: i.record.time):
             self._failed.setdefault((info.step, info.record.time), info)

@@ -10,7 +10,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -22,6 +21,8 @@ from .._format.identity import Fate, fate_of
 from .._format.layout import Layout, parse_damaged_name, parse_step_dirname
 from .._format.record import Record, missing_or_wrong_files, read_record
 from .._state.train_state import train_state_filename
+from .._store.base import DIR
+from .._store.loc import Loc, as_loc
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def verify_checkpoint(directory: Path, *, step: int | None = None) -> Record:
+def verify_checkpoint(directory: Loc, *, step: int | None = None) -> Record:
     """The record of a committed, complete checkpoint at ``directory``; raises otherwise.
 
     Complete: its record is valid (and of ``step``, when the directory stands
@@ -66,8 +67,13 @@ def verify_checkpoint(directory: Path, *, step: int | None = None) -> Record:
 REREADS = 8
 
 
-def _committed_record(directory: Path, step: int | None) -> Record:
-    if not directory.is_dir():
+def _is_dir(directory: Loc) -> bool:
+    entry = directory.entry()
+    return entry is not None and entry.kind == DIR
+
+
+def _committed_record(directory: Loc, step: int | None) -> Record:
+    if not _is_dir(directory):
         raise CheckpointNotFoundError(
             f"there is no checkpoint at {directory}.",
             path=str(directory),
@@ -75,7 +81,7 @@ def _committed_record(directory: Path, step: int | None) -> Record:
         )
     record = read_record(directory, step=step if step is not None else parse_step_dirname(directory.name))
     if record is None or not record.committed:
-        if not directory.is_dir():
+        if not _is_dir(directory):
             raise CheckpointNotFoundError(
                 f"{directory} was removed (pruned) while it was read.", path=str(directory), step=step
             )
@@ -87,7 +93,7 @@ def _committed_record(directory: Path, step: int | None) -> Record:
     return record
 
 
-def _check_files(directory: Path, record: Record) -> None:
+def _check_files(directory: Loc, record: Record) -> None:
     problems = missing_or_wrong_files(directory, record)
     if problems:
         raise IncompleteCheckpointError(
@@ -99,7 +105,7 @@ def _check_files(directory: Path, record: Record) -> None:
     dcp_io.read_metadata(directory, record=record)
 
 
-def removed_while_read(directory: Path, record: Record) -> CheckpointNotFoundError:
+def removed_while_read(directory: Loc, record: Record) -> CheckpointNotFoundError:
     return CheckpointNotFoundError(
         f"step {record.step} was removed from {directory.parent} (pruned by its job) while it was "
         "being read; it was not damaged. Restore another step (`safeckpt ls` lists them).",
@@ -108,7 +114,7 @@ def removed_while_read(directory: Path, record: Record) -> CheckpointNotFoundErr
     )
 
 
-def kept_changing(directory: Path, record: Record) -> IncompleteCheckpointError:
+def kept_changing(directory: Loc, record: Record) -> IncompleteCheckpointError:
     return IncompleteCheckpointError(
         f"step {record.step} in {directory.parent} was replaced {REREADS} times while it was being "
         "read (a job re-saving it in a loop); try again once that job has moved on.",
@@ -117,7 +123,7 @@ def kept_changing(directory: Path, record: Record) -> IncompleteCheckpointError:
     )
 
 
-def as_read_error(error: BaseException, directory: Path, record: Record) -> BaseException:
+def as_read_error(error: BaseException, directory: Loc, record: Record) -> BaseException:
     """A failed read of a checkpoint as its reader sees it: never a raw ``OSError`` nor DCP's
     ``CheckpointException``, but safeckpt's own error (damage is one auto-resume steps over)."""
     if isinstance(error, CheckpointError):
@@ -142,7 +148,7 @@ def read_chosen(
     layout: Layout,
     step: int | None,
     path: str | os.PathLike[str] | None,
-    read: Callable[[Path, Record], T],
+    read: Callable[[Loc, Record], T],
     *,
     nothing: Callable[[], CheckpointError],
 ) -> T:
@@ -192,7 +198,7 @@ def is_damage(error: BaseException) -> bool:
     return isinstance(error, SKIPPABLE) and not isinstance(error, UnsupportedStateError)
 
 
-def check_own_files(directory: Path, record: Record, rank: int) -> None:
+def check_own_files(directory: Loc, record: Record, rank: int) -> None:
     """Every rank, before the collective load: the files as this rank sees them match the record,
     and the train-state file it will read matches its checksum."""
     problems = missing_or_wrong_files(directory, record)
@@ -221,8 +227,8 @@ def choose_checkpoint(
     path: str | os.PathLike[str] | None,
     *,
     exclude: Collection[int] = (),
-    on_damaged: Callable[[Path, Record | None, Exception], None] | None = None,
-) -> tuple[Path, Record] | None:
+    on_damaged: Callable[[Loc, Record | None, Exception], None] | None = None,
+) -> tuple[Loc, Record] | None:
     """Rank 0: the checkpoint to restore, or None for a fresh start.
 
     An explicit ``path`` or ``step`` is verified and returned, or raises. Else
@@ -235,7 +241,7 @@ def choose_checkpoint(
     if path is not None and step is not None:
         raise ConfigError("restore(): pass step= or path=, not both.")
     if path is not None:
-        directory = Path(path).absolute()
+        directory = as_loc(path)
         return directory, verify_checkpoint(directory)
     if step is not None:
         return _explicit_step(layout, step)
@@ -254,7 +260,7 @@ def choose_checkpoint(
         if not pruned:  # nothing was pruned under this scan: there is nothing to load
             break
     for entry in catalog.entries:
-        if not entry.committed and entry.step not in exclude and os.path.lexists(entry.path):
+        if not entry.committed and entry.step not in exclude and entry.path.entry() is not None:
             logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
 
@@ -263,8 +269,8 @@ def _newest_whole(
     catalog: Catalog,
     exclude: set[int],
     skipped: set[int],
-    on_damaged: Callable[[Path, Record | None, Exception], None] | None,
-) -> tuple[tuple[Path, Record] | None, bool]:
+    on_damaged: Callable[[Loc, Record | None, Exception], None] | None,
+) -> tuple[tuple[Loc, Record] | None, bool]:
     """The newest commit of ``catalog`` that verifies, and whether one was pruned while checked
     (then a commit newer than the catalog may exist: the caller scans again)."""
     pruned = False
@@ -282,11 +288,11 @@ def _newest_whole(
             if on_damaged is not None:
                 on_damaged(entry.path, entry.record, e)
     # A directory listed, then gone before its record was read: pruned during the scan.
-    vanished = any(not e.committed and not os.path.lexists(e.path) for e in catalog.entries)
+    vanished = any(not e.committed and e.path.entry() is None for e in catalog.entries)
     return None, pruned or vanished
 
 
-def _explicit_step(layout: Layout, step: int) -> tuple[Path, Record]:
+def _explicit_step(layout: Layout, step: int) -> tuple[Loc, Record]:
     """``step``'s checkpoint, verified. Where a filesystem has no ``RENAME_EXCHANGE``, a re-save
     leaves ``step_<N>`` missing for an instant: a step that was listed is looked for again."""
     for wait in (0.0, 0.05, 0.2):
@@ -300,7 +306,7 @@ def _explicit_step(layout: Layout, step: int) -> tuple[Path, Record]:
         except CheckpointNotFoundError:
             continue
     directory = layout.step_dir(step)
-    if directory.is_dir():
+    if _is_dir(directory):
         return directory, verify_checkpoint(directory, step=step)
     catalog = scan(layout.root)
     steps = sorted(catalog.committed)

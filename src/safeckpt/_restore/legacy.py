@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, MutableMapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from .._dcp import io as dcp_io
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.walk import module_for
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def load_legacy(
     caller_state: MutableMapping[Any, Any],
-    directory: Path,
+    directory: Loc,
     record: Record,
     parts: Participants,
     entries: Mapping[str, Any],

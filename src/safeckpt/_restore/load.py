@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from .._dcp import io as dcp_io
-from .._format.layout import Layout
+from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
+from .._store.loc import Loc, as_loc, as_root
 from .._util.gc_pause import collector_paused
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
 from .choose import read_chosen
@@ -17,7 +17,7 @@ from .load_plan import ABSENT, LoadPlan, Selection
 
 @collector_paused()  # thousands of small objects: see safeckpt._util.gc_pause
 @dcp_io.parsed_kept()  # chosen, verified and read: .metadata parsed once
-def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
+def load(root_or_checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
     """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
 
     On a run root: the checkpoint auto-resume would take (or ``step``); on a
@@ -33,12 +33,14 @@ def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = N
     collective: each caller reads the whole checkpoint. Raises
     :class:`~safeckpt.CheckpointNotFoundError` when there is nothing to load.
     """
-    path = Path(root_or_checkpoint_dir).absolute()
-    given: Path | None = None
-    if (path / "metadata.json").exists():
+    top = as_root(root_or_checkpoint_dir)
+    given: Loc | None = None
+    if (top / RECORD_NAME).entry() is not None:
         if step is not None:
-            raise ConfigError(f"load({path}): a checkpoint directory takes no step=; pass the run root.")
-        given, path = path, path.parent
+            raise ConfigError(f"load({top}): a checkpoint directory takes no step=; pass the run root.")
+        given = top if top.key else as_loc(top.where)  # the checkpoint, as a name in its root
+        top = given.parent
+    path = top
 
     def nothing() -> CheckpointNotFoundError:
         return CheckpointNotFoundError(
@@ -47,7 +49,7 @@ def load(root_or_checkpoint_dir: str | os.PathLike[str], *, step: int | None = N
             path=str(path),
         )
 
-    return read_chosen(Layout(path), step, given, _load_template_free, nothing=nothing)
+    return read_chosen(Layout(top), step, given, _load_template_free, nothing=nothing)
 
 
 class _TemplateNeededError(IncompleteCheckpointError, UnsupportedStateError):
@@ -55,7 +57,7 @@ class _TemplateNeededError(IncompleteCheckpointError, UnsupportedStateError):
     fallback past it (an ``UnsupportedStateError`` is never stepped over)."""
 
 
-def _load_template_free(directory: Path, record: Any) -> dict[Any, Any]:
+def _load_template_free(directory: Loc, record: Any) -> dict[Any, Any]:
     metadata = dcp_io.read_metadata(directory, record=record)
     tree, _ = read_tree(directory, record, None)
     if isinstance(tree, Legacy):

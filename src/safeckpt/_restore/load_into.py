@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, MutableMapping
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -18,7 +17,7 @@ from .._dcp import options as io_options
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.train_state import Legacy, read_tree, restore_rng
-from .._storage.prefetch import prefetch
+from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
 from .legacy import load_legacy
@@ -30,7 +29,7 @@ logger = logging.getLogger(__name__)
 @collector_paused()  # thousands of small objects: see safeckpt._util.gc_pause
 def load_checkpoint(
     state: MutableMapping[Any, Any],
-    directory: Path,
+    directory: Loc,
     record: Record,
     parts: Participants,
     *,
@@ -54,7 +53,9 @@ def load_checkpoint(
     found while reading) leaves part of the state filled.
     """
     # the disk works while this plans
-    done_reading = prefetch(directory, parts.rank, direct_io=io_options.current().direct_io)
+    done_reading = directory.store.prefetch(
+        directory.key, parts.rank, direct_io=io_options.current().direct_io
+    )
     try:
         return _load_checkpoint(
             state,
@@ -73,7 +74,7 @@ def load_checkpoint(
 
 def _load_checkpoint(
     state: MutableMapping[Any, Any],
-    directory: Path,
+    directory: Loc,
     record: Record,
     parts: Participants,
     *,
@@ -144,7 +145,7 @@ def _load_checkpoint(
     return plan.report()
 
 
-def _check_plan(plan: LoadPlan, record: Record, directory: Path, *, strict: bool) -> None:
+def _check_plan(plan: LoadPlan, record: Record, directory: Loc, *, strict: bool) -> None:
     where = f"step {record.step} in {directory}"
     if plan.damage:
         raise IncompleteCheckpointError(

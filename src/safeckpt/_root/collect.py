@@ -27,18 +27,16 @@ EBUSY, ENOENT with a bounded budget). Nothing is loaded and no checkpoint that
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .._format.catalog import damaged_note
 from .._format.layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
-from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
-from .._fs.lock import SidecarLock
+from .._store.base import DIR, FILE, Entry, Lock, Store
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointNotFoundError
 from .ownership import read_owner
 from .removal import (
@@ -68,7 +66,7 @@ _STEP_TEMP = (".*.tmp.*", ".metadata.tmp")
 class GcItem:
     """One leftover: where, what kind, its size, and what gc did with it."""
 
-    path: Path
+    path: Loc
     kind: str
     size: int
     action: str = WOULD_REMOVE
@@ -88,7 +86,7 @@ class GcItem:
 class GcReport:
     """What :func:`collect_garbage` found and did."""
 
-    root: Path
+    root: Loc
     dry_run: bool
     owner: str
     """Who owns the root, in words (for the report)."""
@@ -115,7 +113,7 @@ class GcReport:
         }
 
 
-def owner_state(root: Path, *, stale_after: float | None = None) -> tuple[bool | None, str]:
+def owner_state(root: Loc, *, stale_after: float | None = None) -> tuple[bool | None, str]:
     """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is."""
     owner = read_owner(root)
     if owner is None:
@@ -125,12 +123,11 @@ def owner_state(root: Path, *, stale_after: float | None = None) -> tuple[bool |
 
 
 def collect_garbage(
-    root: str | os.PathLike[str],
+    root: Loc | Store | str | os.PathLike[str],
     *,
     dry_run: bool = False,
     drain_timeout: float = 10.0,
     stale_after: float | None = None,
-    file_ops: FileOps | None = None,
 ) -> GcReport:
     """Find, and unless ``dry_run`` remove, the leftovers of ``root`` (see the module doc).
 
@@ -139,23 +136,22 @@ def collect_garbage(
     (a ``.nfs`` file still open elsewhere); what stays is reported as skipped.
     ``stale_after`` is passed to the owner's ``alive()`` (heartbeat age).
     """
-    ops = file_ops or DEFAULT_FILE_OPS
-    layout = Layout(Path(root).absolute())
-    if not layout.root.is_dir():
+    layout = Layout(as_root(root))
+    top = layout.root.entry()
+    if top is None or top.kind != DIR:
         raise CheckpointNotFoundError(
             f"{layout.root} is not a directory; pass a checkpoint root.", path=str(layout.root)
         )
-    lock = SidecarLock(layout.lock_path)
+    lock = layout.store.lock(timeout=300.0)
     try:
-        return _collect(layout, lock, ops, dry_run=dry_run, drain_timeout=drain_timeout, stale=stale_after)
+        return _collect(layout, lock, dry_run=dry_run, drain_timeout=drain_timeout, stale=stale_after)
     finally:
         lock.close()
 
 
 def _collect(
     layout: Layout,
-    lock: SidecarLock,
-    ops: FileOps,
+    lock: Lock,
     *,
     dry_run: bool,
     drain_timeout: float,
@@ -168,7 +164,7 @@ def _collect(
         # a writer claims it under this lock before it stages a save, so none can start meanwhile)
         writer_gone = alive is not True
         if writer_gone and not dry_run:
-            report.restored_steps = recover_interrupted_replacements(layout, lock, ops)
+            report.restored_steps = recover_interrupted_replacements(layout, lock)
         for entry in layout.staging_entries():
             item = GcItem(entry, STAGING, _tree_size(entry))
             if not writer_gone:
@@ -191,7 +187,8 @@ def _collect(
             report.items.append(item)
         for path, kind in _loose_files(layout):
             item = GcItem(path, kind, _tree_size(path))
-            if kind == TEMP and path.parent == layout.root and alive and not path.name.startswith(".latest."):
+            at_top = path.parent == layout.root
+            if kind == TEMP and at_top and alive and not path.name.startswith(".latest."):
                 # a live writer may update its own files (the owner record's heartbeat) without
                 # the lock; only `latest` is always swapped under it
                 item.action = SKIPPED
@@ -201,21 +198,21 @@ def _collect(
             return report
         # Staging of a gone writer goes to the trash in the same lock hold as the owner check:
         # a new writer needs this lock to take ownership, so none can start in between.
-        moved: dict[Path, Path] = {}
+        moved: dict[Loc, Loc] = {}
         for item in report.items:
             if item.kind == STAGING and item.action == WOULD_REMOVE:
-                for target in collect_abandoned_staging(layout, lock, ops, only=item.path):
+                for target in collect_abandoned_staging(layout, lock, only=item.path):
                     moved[item.path] = target
     budget = RetryBudget()
     for item in report.items:
         if item.kind in (NFS, FUSE, TEMP, DAMAGED) and item.action == WOULD_REMOVE:
-            result = remove_tree(item.path, budget, lock, ops)
+            result = remove_tree(item.path, budget, lock)
             _conclude(item, result.removed, result.error)
     if not alive and any(i.kind in (STAGING, TRASH) and i.action == WOULD_REMOVE for i in report.items):
-        Deleter(layout, lock, ops).drain(drain_timeout)
+        Deleter(layout, lock).drain(drain_timeout)
     for item in report.items:
         if item.kind in (STAGING, TRASH) and item.action == WOULD_REMOVE:
-            gone = not os.path.lexists(moved.get(item.path, item.path))
+            gone = moved.get(item.path, item.path).entry() is None
             _conclude(item, gone, None if gone else "the filesystem kept refusing (a file still open?)")
     return report
 
@@ -228,30 +225,40 @@ def _conclude(item: GcItem, removed: bool, error: object) -> None:
         item.reason = f"in use or not removable: {error}" if error else "not removable"
 
 
-def _loose_files(layout: Layout) -> Iterator[tuple[Path, str]]:
+def _loose_files(layout: Layout) -> Iterator[tuple[Loc, str]]:
     """``.nfs*``, ``.fuse_hidden*`` and orphan temp files outside ``.staging/`` and ``.trash/``."""
-    for entry in _scandir(layout.root):
+    store = layout.store
+    for entry in store.entries(layout.root.key):
         if entry.name in (STAGING_NAME, TRASH_NAME):
             continue
-        if entry.is_dir(follow_symlinks=False):
+        if entry.kind == DIR:
             if parse_step_dirname(entry.name) is not None:
-                yield from _step_dir_leftovers(Path(entry.path))
+                yield from _step_dir_leftovers(layout.root / entry.name)
             continue
         kind = _hidden_kind(entry.name)
         if kind is None and any(fnmatch.fnmatchcase(entry.name, p) for p in _ROOT_TEMP):
             kind = TEMP
         if kind is not None:
-            yield Path(entry.path), kind
+            yield layout.root / entry.name, kind
 
 
-def _step_dir_leftovers(step_dir: Path) -> Iterator[tuple[Path, str]]:
-    for dirpath, dirnames, filenames in os.walk(step_dir):
-        for name in [*filenames, *dirnames]:
-            kind = _hidden_kind(name)
-            if kind is None and dirpath == str(step_dir) and name in filenames:
-                kind = TEMP if any(fnmatch.fnmatchcase(name, p) for p in _STEP_TEMP) else None
+def _step_dir_leftovers(step_dir: Loc) -> Iterator[tuple[Loc, str]]:
+    for directory, entries in _walk(step_dir):
+        for entry in entries:
+            kind = _hidden_kind(entry.name)
+            if kind is None and directory == step_dir and entry.kind != DIR:
+                kind = TEMP if any(fnmatch.fnmatchcase(entry.name, p) for p in _STEP_TEMP) else None
             if kind is not None:
-                yield Path(dirpath, name), kind
+                yield directory / entry.name, kind
+
+
+def _walk(top: Loc) -> Iterator[tuple[Loc, list[Entry]]]:
+    """Every directory under ``top`` (never through a link) with what it holds."""
+    entries = top.store.entries(top.key)
+    yield top, entries
+    for entry in entries:
+        if entry.kind == DIR:
+            yield from _walk(top / entry.name)
 
 
 def _hidden_kind(name: str) -> str | None:
@@ -264,24 +271,10 @@ def _hidden_kind(name: str) -> str | None:
     return None
 
 
-def _tree_size(path: Path) -> int:
-    try:
-        st = os.lstat(path)
-    except OSError:
+def _tree_size(path: Loc) -> int:
+    entry = path.entry()
+    if entry is None:
         return 0
-    if not os.path.isdir(path) or os.path.islink(path):
-        return st.st_size
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
-def _scandir(path: Path) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
+    if entry.kind != DIR:
+        return entry.size
+    return sum(e.size for _, entries in _walk(path) for e in entries if e.kind == FILE)

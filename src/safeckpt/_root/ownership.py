@@ -34,13 +34,11 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from .._fs.atomic import atomic_write
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
-from .._fs.safe_open import read_small
+from .._store.base import Lock, Store
+from .._store.loc import Loc, as_root
+from .._util.processes import pid_alive, process_start
 from ..errors import CheckpointError, RootInUseError
 
 logger = logging.getLogger(__name__)
@@ -50,36 +48,6 @@ HEARTBEAT_EVERY = 10.0
 STALE_AFTER = 120.0
 LIVE_OWNER_GRACE = 3.0
 _POLL = 0.25
-
-
-def _process_start(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of ``pid``, to tell it from a later process with its pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return not _zombie(pid)
-    # A killed process its parent has not waited for yet (a zombie) still answers kill(0),
-    # but it can write nothing more: it is dead.
-    return not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -97,9 +65,9 @@ class Owner:
     def alive(self, *, stale_after: float = STALE_AFTER, now: float | None = None) -> bool:
         """Whether the owner still runs (see the module doc for how that is decided)."""
         if self.host == socket.gethostname():
-            if not _pid_alive(self.pid):
+            if not pid_alive(self.pid):
                 return False
-            current = _process_start(self.pid)
+            current = process_start(self.pid)
             return self.pid_start is None or current is None or current == self.pid_start
         return (time.time() if now is None else now) - self.heartbeat < stale_after
 
@@ -127,10 +95,11 @@ class Owner:
         )
 
 
-def read_owner(root: str | os.PathLike[str]) -> Owner | None:
+def read_owner(root: Loc | Store | str | os.PathLike[str]) -> Owner | None:
     """The owner record of ``root``, or None (none, or unreadable: then nobody can prove ownership)."""
     try:
-        raw = read_small(Path(root) / OWNER_NAME, limit=64 << 10, what="owner record")
+        path = as_root(root) / OWNER_NAME
+        raw = path.store.read_small(path.key, limit=64 << 10, what="owner record")
         return Owner.from_json(json.loads(raw))
     except (OSError, ValueError, TypeError, KeyError, CheckpointError):
         return None
@@ -147,7 +116,7 @@ def _alive(owner: Owner, stale_after: float) -> bool:
     return owner.alive(stale_after=stale_after)
 
 
-def in_use_error(root: Path, owner: Owner | None) -> RootInUseError:
+def in_use_error(root: Loc, owner: Owner | None) -> RootInUseError:
     """The error for a root that ``owner``, a live process, writes."""
     who = owner.describe() if owner is not None else "another process"
     if owner is not None and owner.pid == os.getpid() and owner.host == socket.gethostname():
@@ -162,7 +131,7 @@ def in_use_error(root: Path, owner: Owner | None) -> RootInUseError:
     )
 
 
-def live_writer(root: Path, *, stale_after: float = STALE_AFTER) -> Owner | None:
+def live_writer(root: Loc, *, stale_after: float = STALE_AFTER) -> Owner | None:
     """The live process writing ``root`` (one that saved, and runs still), or None."""
     owner = read_owner(root)
     if owner is None or not owner.writing or not _alive(owner, stale_after):
@@ -173,11 +142,10 @@ def live_writer(root: Path, *, stale_after: float = STALE_AFTER) -> Owner | None
 class Ownership:
     """This process's claim on one root. Every change holds the sidecar lock."""
 
-    def __init__(self, root: Path, lock: SidecarLock, ops: FileOps, *, stale_after: float = STALE_AFTER):
+    def __init__(self, root: Loc, lock: Lock, *, stale_after: float = STALE_AFTER):
         self._path = root / OWNER_NAME
         self._root = root
         self._lock = lock
-        self._ops = ops
         self._stale_after = stale_after
         self._token = uuid.uuid4().hex
         self._started = time.time()
@@ -195,11 +163,11 @@ class Ownership:
             started=self._started,
             heartbeat=time.time(),
             writing=writing,
-            pid_start=_process_start(pid),
+            pid_start=process_start(pid),
         )
 
     def _write(self, owner: Owner) -> None:
-        atomic_write(self._path, (json.dumps(owner.to_json()) + "\n").encode(), self._ops)
+        self._path.store.write_atomic(self._path.key, (json.dumps(owner.to_json()) + "\n").encode())
         self._last_beat = time.monotonic()
 
     def try_claim(self, *, writing: bool) -> bool:
@@ -260,8 +228,8 @@ class Ownership:
             with self._lock:
                 if self.still_ours():
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._path)
-                        self._ops.fsync_dir(self._root)
+                        self._path.store.remove(self._path.key)
+                        self._root.store.sync(self._root.key)
         except OSError as e:
             logger.warning(
                 "safeckpt: could not remove the owner record %s (%s); the next job to open the root "

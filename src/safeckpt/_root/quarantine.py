@@ -18,40 +18,36 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import time
-from pathlib import Path
 
 from .._format.catalog import scan
 from .._format.identity import Fate, fate_of
 from .._format.layout import DAMAGED_NOTE, Layout
 from .._format.record import Record
-from .._fs.atomic import atomic_write
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
+from .._store.base import Lock
+from .._store.loc import Loc
 from .startup import repair_latest
 
 logger = logging.getLogger(__name__)
 
 
-def move_aside(
-    layout: Layout, lock: SidecarLock, ops: FileOps, directory: Path, record: Record, reason: str
-) -> Path | None:
+def move_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reason: str) -> Loc | None:
     """Move the damaged checkpoint at ``directory`` into ``.damaged/``; where it went, or None when
     the directory no longer holds the commit ``record`` describes (nothing is moved then)."""
     with lock:
         if fate_of(directory, record) is not Fate.SAME:
             return None
         layout.check_private_dirs()
-        os.makedirs(layout.damaged, exist_ok=True)
+        store = layout.store
+        store.make_dir(layout.damaged.key)
         target = layout.new_damaged_path(record.step)
-        ops.replace(directory, target)
-        ops.fsync_dir(directory.parent)
-        ops.fsync_dir(layout.damaged)
+        store.move(directory.key, target.key)
+        store.sync(directory.parent.key)
+        store.sync(layout.damaged.key)
         note = {"step": record.step, "seq": record.seq, "time": time.time(), "reason": reason}
         with contextlib.suppress(OSError):  # the move is what matters; the note only explains it
-            atomic_write(target / DAMAGED_NOTE, (json.dumps(note, indent=2) + "\n").encode(), ops)
-        _point_latest_at_newest(layout, lock, ops)
+            store.write_atomic((target / DAMAGED_NOTE).key, (json.dumps(note, indent=2) + "\n").encode())
+        _point_latest_at_newest(layout, lock)
     logger.warning(
         "safeckpt: moved the unloadable step %d aside to %s: it is never loaded and no longer counts "
         "as the newest step. Inspect it there, or remove it with `safeckpt gc %s`.",
@@ -62,12 +58,12 @@ def move_aside(
     return target
 
 
-def _point_latest_at_newest(layout: Layout, lock: SidecarLock, ops: FileOps) -> None:
+def _point_latest_at_newest(layout: Layout, lock: Lock) -> None:
     catalog = scan(layout.root)
     if catalog.latest_step is not None:
-        repair_latest(catalog, lock, ops)
+        repair_latest(catalog, lock)
         return
     if catalog.latest_name is not None:  # it named the step moved aside, the last one there was
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(layout.latest_path)
-        ops.fsync_dir(layout.root)
+            layout.store.remove(layout.latest_path.key)
+        layout.store.sync(layout.root.key)

@@ -21,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .._format.layout import (
     ABANDONED,
@@ -38,9 +36,8 @@ from .._format.layout import (
     step_dirname,
 )
 from .._format.record import Record, read_record
-from .._fs.atomic import read_pointer
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
+from .._store.base import Lock
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -72,15 +69,15 @@ class RemovalResult:
     error: OSError | None = None
 
 
-def _transient(error: OSError, path: Path) -> bool:
+def _transient(error: OSError, path: Loc) -> bool:
     if error.errno in _TRANSIENT:
         return True
     # ENOENT while the directory is still there: rmtree raced with a .nfs file
     # vanishing under it; try again. ENOENT with the directory gone is success.
-    return error.errno == errno.ENOENT and os.path.lexists(path)
+    return error.errno == errno.ENOENT and path.entry() is not None
 
 
-def remove_tree(path: Path, budget: RetryBudget, lock: SidecarLock, ops: FileOps) -> RemovalResult:
+def remove_tree(path: Loc, budget: RetryBudget, lock: Lock) -> RemovalResult:
     """Remove ``path``, retrying transient errors while ``budget`` has waits left.
 
     Each attempt holds ``lock``; each wait does not. Never raises ``OSError``:
@@ -91,9 +88,9 @@ def remove_tree(path: Path, budget: RetryBudget, lock: SidecarLock, ops: FileOps
         result.attempts += 1
         try:
             with lock:
-                ops.rmtree(path)
+                path.store.remove(path.key)
         except OSError as e:
-            if e.errno == errno.ENOENT and not os.path.lexists(path):
+            if e.errno == errno.ENOENT and path.entry() is None:
                 result.removed, result.error = True, None
                 return result
             result.error = e
@@ -102,7 +99,7 @@ def remove_tree(path: Path, budget: RetryBudget, lock: SidecarLock, ops: FileOps
             wait = budget.next_wait()
             if wait is None:
                 return result
-            ops.sleep(wait)
+            path.store.sleep(wait)
             budget.slept += wait
         else:
             result.removed, result.error = True, None
@@ -113,8 +110,8 @@ def remove_tree(path: Path, budget: RetryBudget, lock: SidecarLock, ops: FileOps
 class PassResult:
     """One cleanup pass over the trash."""
 
-    removed: list[Path] = field(default_factory=list)
-    remaining: dict[Path, OSError | None] = field(default_factory=dict)
+    removed: list[Loc] = field(default_factory=list)
+    remaining: dict[Loc, OSError | None] = field(default_factory=dict)
     slept: float = 0.0
     attempts: int = 0
 
@@ -131,8 +128,7 @@ class Deleter:
     def __init__(
         self,
         layout: Layout,
-        lock: SidecarLock,
-        ops: FileOps,
+        lock: Lock,
         *,
         retry_interval: float = 1.0,
         on_idle: Callable[[], None] | None = None,
@@ -140,7 +136,6 @@ class Deleter:
         self._layout = layout
         self._on_idle = on_idle  # the owner's heartbeat rides on this thread
         self._lock = lock
-        self._ops = ops
         self._retry_interval = retry_interval
         self._pass_lock = threading.Lock()
         self._wake = threading.Event()
@@ -167,7 +162,7 @@ class Deleter:
             for entry in self._layout.trash_entries():
                 if _is_replaced(entry):
                     continue  # only recover_interrupted_replacements() decides about these
-                removal = remove_tree(entry, budget, self._lock, self._ops)
+                removal = remove_tree(entry, budget, self._lock)
                 result.attempts += removal.attempts
                 if removal.removed:
                     result.removed.append(entry)
@@ -180,7 +175,7 @@ class Deleter:
             result.slept = budget.slept
             return result
 
-    def drain(self, timeout: float) -> list[Path]:
+    def drain(self, timeout: float) -> list[Loc]:
         """Pass until the trash is empty or ``timeout`` s have gone; what is left."""
         deadline = time.monotonic() + timeout
         pause = 0.05
@@ -202,7 +197,7 @@ class Deleter:
                         error,
                     )
                 return list(result.remaining)
-            self._ops.sleep(min(pause, left))
+            self._layout.store.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
 
     def close(self) -> None:
@@ -226,7 +221,7 @@ class Deleter:
             except Exception:  # pruning never fails training
                 logger.exception("safeckpt deleter: unexpected error; will retry")
 
-    def _warn_once(self, entry: Path, error: OSError | None) -> None:
+    def _warn_once(self, entry: Loc, error: OSError | None) -> None:
         if entry.name in self._warned:
             return
         self._warned.add(entry.name)
@@ -239,12 +234,12 @@ class Deleter:
         )
 
 
-def _is_replaced(entry: Path) -> bool:
+def _is_replaced(entry: Loc) -> bool:
     parsed = parse_trash_name(entry.name)
     return parsed is not None and parsed[1] == REPLACED
 
 
-def recover_interrupted_replacements(layout: Layout, lock: SidecarLock, ops: FileOps) -> list[int]:
+def recover_interrupted_replacements(layout: Layout, lock: Lock) -> list[int]:
     """Finish or undo replacements of a step that a crash interrupted; the steps put back.
 
     A ``step_<N>.replaced.*`` trash entry exists only between the two renames of
@@ -260,11 +255,12 @@ def recover_interrupted_replacements(layout: Layout, lock: SidecarLock, ops: Fil
                 continue
             step = parsed[0]
             target = layout.step_dir(step)
-            if os.path.lexists(target):
-                ops.replace(entry, layout.new_trash_path(step, PRUNED))
+            store = layout.store
+            if target.entry() is not None:
+                store.move(entry.key, layout.new_trash_path(step, PRUNED).key)
                 continue
-            ops.replace(entry, target)
-            ops.fsync_dir(target.parent)
+            store.move(entry.key, target.key)
+            store.sync(target.parent.key)
             restored.append(step)
             logger.warning(
                 "safeckpt: put back %s as %s: a save that replaced it was interrupted",
@@ -274,9 +270,7 @@ def recover_interrupted_replacements(layout: Layout, lock: SidecarLock, ops: Fil
     return restored
 
 
-def collect_abandoned_staging(
-    layout: Layout, lock: SidecarLock, ops: FileOps, *, only: Path | None = None
-) -> list[Path]:
+def collect_abandoned_staging(layout: Layout, lock: Lock, *, only: Loc | None = None) -> list[Loc]:
     """Move ``.staging`` leftovers (or just ``only``) into the trash; the trash paths.
 
     Every leftover only at start, before any save; ``only`` for a save that
@@ -286,19 +280,17 @@ def collect_abandoned_staging(
     with lock:
         entries = [only] if only is not None else layout.staging_entries()
         for entry in entries:
-            if not os.path.lexists(entry):
+            if entry.entry() is None:
                 continue
             step = parse_staging_name(entry.name)
             target = layout.new_trash_path(step if step is not None else 0, ABANDONED)
-            os.makedirs(layout.trash, exist_ok=True)
-            ops.replace(entry, target)
+            layout.store.make_dir(layout.trash.key)
+            layout.store.move(entry.key, target.key)
             moved.append(target)
     return moved
 
 
-def discard_checkpoint(
-    layout: Layout, lock: SidecarLock, ops: FileOps, step: int
-) -> tuple[bool, Record | None]:
+def discard_checkpoint(layout: Layout, lock: Lock, step: int) -> tuple[bool, Record | None]:
     """Move ``step_<N>`` to the trash, unless it is pinned or ``latest`` names it.
 
     Both are re-checked on disk under the sidecar lock (a ``safeckpt pin`` from
@@ -313,9 +305,9 @@ def discard_checkpoint(
             record = None
         if record is not None and record.pinned:
             return False, record
-        if read_pointer(layout.latest_path) == step_dirname(step):
+        if layout.store.read_pointer(layout.latest_path.key) == step_dirname(step):
             return False, record
-        layout.trash.mkdir(exist_ok=True)
+        layout.store.make_dir(layout.trash.key)
         with contextlib.suppress(FileNotFoundError):  # already gone: pruned from outside
-            ops.replace(path, layout.new_trash_path(step, PRUNED))
+            layout.store.move(path.key, layout.new_trash_path(step, PRUNED).key)
     return True, record

@@ -15,13 +15,11 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 from .._format.catalog import Catalog, scan
 from .._format.layout import LATEST_NAME, Layout, step_dirname
-from .._fs.atomic import clear_non_pointer, swap_pointer
-from .._fs.fileops import FileOps
-from .._fs.lock import SidecarLock
+from .._store.base import DIR, FILE, LINK, Lock
+from .._store.loc import Loc
 from .removal import collect_abandoned_staging, recover_interrupted_replacements
 
 logger = logging.getLogger(__name__)
@@ -32,7 +30,7 @@ _ROOT_ORPHAN = re.compile(r"^\.(latest|owner)\.tmp\.[0-9a-f]{12}$")
 _CHECKPOINT_ORPHAN = re.compile(r"^\..+\.tmp\.[0-9a-f]{12}$|^\.metadata\.tmp$")
 
 
-def take_root(layout: Layout, lock: SidecarLock, ops: FileOps) -> Catalog:
+def take_root(layout: Layout, lock: Lock) -> Catalog:
     """Recover interrupted replacements, collect staging leftovers and orphans, repair ``latest``.
 
     Returns the catalog as it is afterwards. Each step that fails on the
@@ -41,12 +39,12 @@ def take_root(layout: Layout, lock: SidecarLock, ops: FileOps) -> Catalog:
     """
     layout.check_private_dirs()
     with _or_warn(layout, "creating .staging and .trash"):
-        layout.staging.mkdir(exist_ok=True)
-        layout.trash.mkdir(exist_ok=True)
+        layout.store.make_dir(layout.staging.key)
+        layout.store.make_dir(layout.trash.key)
     with _or_warn(layout, "recovering an interrupted replacement"):
-        recover_interrupted_replacements(layout, lock, ops)
+        recover_interrupted_replacements(layout, lock)
     with _or_warn(layout, "collecting interrupted saves"):
-        abandoned = collect_abandoned_staging(layout, lock, ops)
+        abandoned = collect_abandoned_staging(layout, lock)
         if abandoned:
             logger.info("safeckpt: collecting %d interrupted save(s) from %s", len(abandoned), layout.root)
     catalog = scan(layout.root)
@@ -55,7 +53,7 @@ def take_root(layout: Layout, lock: SidecarLock, ops: FileOps) -> Catalog:
         if orphans:
             logger.info("safeckpt: removed %d orphan temp file(s) from %s", len(orphans), layout.root)
     with _or_warn(layout, "repairing `latest`"):
-        repair_latest(catalog, lock, ops)
+        repair_latest(catalog, lock)
     return scan(layout.root)
 
 
@@ -74,34 +72,33 @@ def _or_warn(layout: Layout, doing: str) -> Iterator[None]:
         )
 
 
-def orphan_files(catalog: Catalog) -> list[Path]:
+def orphan_files(catalog: Catalog) -> list[Loc]:
     """Temp files an interrupted write of safeckpt's own left (and only those)."""
-    found = []
-    with contextlib.suppress(OSError), os.scandir(catalog.layout.root) as entries:
-        found += [Path(e.path) for e in entries if _ROOT_ORPHAN.match(e.name) and not e.is_dir()]
+    root = catalog.layout.root
+    store = root.store
+    found = [root / e.name for e in store.entries(root.key) if _ROOT_ORPHAN.match(e.name) and e.kind != DIR]
     for entry in catalog.entries:
         if entry.displaced or not entry.committed:
             continue
-        with contextlib.suppress(OSError), os.scandir(entry.path) as files:
-            found += [
-                Path(f.path)
-                for f in files
-                if _CHECKPOINT_ORPHAN.match(f.name) and f.is_file(follow_symlinks=False)
-            ]
-    return sorted(found)
+        found += [
+            entry.path / f.name
+            for f in store.entries(entry.path.key)
+            if _CHECKPOINT_ORPHAN.match(f.name) and f.kind == FILE
+        ]
+    return sorted(found, key=lambda loc: loc.key)
 
 
-def collect_orphans(catalog: Catalog, lock: SidecarLock) -> list[Path]:
+def collect_orphans(catalog: Catalog, lock: Lock) -> list[Loc]:
     removed = []
     with lock:
         for path in orphan_files(catalog):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                path.store.remove(path.key)
                 removed.append(path)
     return removed
 
 
-def repair_latest(catalog: Catalog, lock: SidecarLock, ops: FileOps) -> bool:
+def repair_latest(catalog: Catalog, lock: Lock) -> bool:
     """Point ``latest`` at the newest commit if it names anything else; whether it changed.
 
     Whatever sits at ``latest`` that is not a pointer (a directory, a FIFO) is
@@ -111,13 +108,15 @@ def repair_latest(catalog: Catalog, lock: SidecarLock, ops: FileOps) -> bool:
     if newest is None or catalog.latest_name == step_dirname(newest):
         return False
     root = catalog.layout.root
+    store = root.store
+    latest = catalog.layout.latest_path
     with lock:
         aside = root / f"{LATEST_NAME}.not-a-pointer.{os.getpid()}"
-        if clear_non_pointer(catalog.layout.latest_path, aside):
-            logger.warning(
-                "safeckpt: %s was not a pointer; moved it to %s", catalog.layout.latest_path, aside
-            )
-        swap_pointer(catalog.layout.latest_path, step_dirname(newest), ops)
+        found = latest.entry()
+        if found is not None and found.kind not in (LINK, FILE):  # a directory, a FIFO: kept, not ours
+            store.move(latest.key, aside.key)
+            logger.warning("safeckpt: %s was not a pointer; moved it to %s", latest, aside)
+        store.write_pointer(latest.key, step_dirname(newest))
     logger.info(
         "safeckpt: `latest` in %s named %s; repaired to step %d, the newest commit",
         root,

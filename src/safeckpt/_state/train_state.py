@@ -28,7 +28,6 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from safetensors.torch import save as safetensors_save
 from .._dcp import io as dcp_io
 from .._format.checksums import read_verified
 from .._format.record import Record
+from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError, NewerFormatError, UnsupportedStateError
 from .per_rank import PerRank
 
@@ -241,10 +241,6 @@ def decode_train_state(blob: bytes, *, source: str) -> dict[str, Any]:
         ) from e
 
 
-def read_train_state(path: Path) -> dict[str, Any]:
-    return decode_train_state(path.read_bytes(), source=str(path))
-
-
 # --- the recorded structure of a checkpoint ------------------------------------------------
 
 
@@ -329,7 +325,7 @@ def _rank_files(record: Record) -> list[str]:
     return [name for _, name in sorted(found)]
 
 
-def _read(directory: Path, name: str, record: Record) -> dict[str, Any]:
+def _read(directory: Loc, name: str, record: Record) -> dict[str, Any]:
     checksums = dcp_io.checksums_of(record, directory)
     blob = read_verified(
         directory / name,
@@ -345,7 +341,7 @@ def _read(directory: Path, name: str, record: Record) -> dict[str, Any]:
     return train
 
 
-def read_tree(directory: Path, record: Record, rank: int | None) -> tuple[Any, Any]:
+def read_tree(directory: Loc, record: Record, rank: int | None) -> tuple[Any, Any]:
     """The state tree to load, verified: ``rank``'s own, else every rank's merged. Also ``rank``'s
     RNG states (None when that rank has no file)."""
     own = train_state_filename(rank) if rank is not None else None

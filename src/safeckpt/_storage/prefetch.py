@@ -57,8 +57,6 @@ def _forget_in_child() -> None:
     _open = {}
 
 
-
-
 def _key(info: os.stat_result) -> _Key:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, threading.get_ident())
 

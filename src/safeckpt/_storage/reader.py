@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_file
+from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_handle
 from .._fs.direct_read import DirectFileReader
-from .._fs.safe_open import open_regular
+from .._fs.safe_open import RegularFile, open_regular
+from .._store.base import ItemInfos
 from .batching import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .prefetch import advise
 from .prefetch import lookup as early_lookup
@@ -40,14 +41,9 @@ from .torchsave.reader import _WINDOW, _Archive, _ArchiveShape, _Layout, preadv_
 from .torchsave.shapes import ArchiveShapes
 from .torchsave.writer import _bytes_of, raw_path_available
 
-__all__ = ["ItemInfos", "RawFileSystemReader"]
+__all__ = ["RawFileSystemReader"]
 
 _AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
-
-
-class ItemInfos(list):  # type: ignore[type-arg]
-    """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
-    order, as that plan's ``storage_data``: set by a planner that looked them up already."""
 
 
 class RawFileSystemReader(FileSystemReader):
@@ -402,7 +398,8 @@ class RawFileSystemReader(FileSystemReader):
             # One segment for the whole file (written by DCP's own writer): check it all, once.
             if info.relative_path not in self._whole_verified:
                 path = Path(self.path) / info.relative_path
-                verify_file(path, file_checksum, step=self._step)
+                with RegularFile.open(path) as handle:
+                    verify_handle(handle, path, file_checksum, step=self._step)
                 self._whole_verified.add(info.relative_path)
             return None
         if segment is None:

@@ -17,13 +17,14 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .._store.base import DIR
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidSaveError, LockTimeoutError
 
 EXIT_OK = 0
@@ -130,18 +131,19 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def existing_root(root: str | os.PathLike[str]) -> Path:
-    """``root`` as an absolute path; raises unless it is an existing directory."""
-    path = Path(root).absolute()
-    if not path.exists():
+def existing_root(root: str | os.PathLike[str]) -> Loc:
+    """The top of ``root``'s store; raises unless it is an existing directory."""
+    top = as_root(root)
+    entry = top.entry()
+    if entry is None:
         raise CheckpointNotFoundError(
             f"{root} does not exist. Pass the checkpoint root of a run (the directory given to "
             "CheckpointManager, or the --dir of `safeckpt demo`).",
-            path=str(path),
+            path=str(top),
         )
-    if not path.is_dir():
-        raise CheckpointError(f"{root} is not a directory; pass a checkpoint root.", path=str(path))
-    return path
+    if entry.kind != DIR:
+        raise CheckpointError(f"{root} is not a directory; pass a checkpoint root.", path=str(top))
+    return top
 
 
 @contextlib.contextmanager

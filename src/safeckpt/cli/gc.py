@@ -31,7 +31,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         action = item.action if item.reason is None else f"{item.action}: {item.reason}"
         if item.action == SKIPPED:
             action = f"[yellow]{action}[/]"
-        table.add_row(item.kind, str(item.path.relative_to(root)), human_size(item.size), action)
+        table.add_row(item.kind, item.path.key, human_size(item.size), action)
     print_table(console, table)
     for step in report.restored_steps:
         console.print(f"put back step {step}: a save that replaced it was interrupted")

@@ -43,7 +43,7 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
     checkpoints = []
     for entry in catalog.entries:
         problems = verify_files(entry)
-        if problems and not os.path.lexists(entry.path):
+        if problems and entry.path.entry() is None:
             continue  # pruned since the scan: gone, not incomplete
         record = entry.record
         kept = reasons.get(entry.step, []) if not problems else []

@@ -40,10 +40,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from .._format.layout import Layout
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
-from .._fs.lock import SidecarLock
 from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPool
 from .._manager.ledger import Flight, SaveLedger
+from .._posix import PosixStore
 from .._root.removal import Deleter
+from .._store.base import Lock, Store
+from .._store.loc import Loc
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
 from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
 
@@ -83,8 +85,12 @@ class _Dir:
     """The removal machinery of one checkpoint directory: its trash, lock and deleter."""
 
     layout: Layout
-    lock: SidecarLock
+    lock: Lock
     deleter: Deleter
+
+    @property
+    def store(self) -> Store:
+        return self.layout.store
 
 
 class SafeCheckpointIO(CheckpointIO):
@@ -309,9 +315,9 @@ class SafeCheckpointIO(CheckpointIO):
         trash = d.layout.trash / f"{target.name}.{uuid.uuid4().hex[:12]}"
         try:
             with d.lock:
-                d.layout.trash.mkdir(exist_ok=True)
+                d.store.make_dir(d.layout.trash.key)
                 with contextlib.suppress(FileNotFoundError):  # already gone
-                    self._ops.replace(target, trash)
+                    d.store.move(target.name, trash.key)
         except OSError as e:  # removal never fails training; the caller sees a warning
             logger.warning("safeckpt: could not remove %s (%s); remove it by hand", target, e)
             return
@@ -329,10 +335,10 @@ class SafeCheckpointIO(CheckpointIO):
             return
         d = self._dir(directory)
         with d.lock:
-            d.layout.trash.mkdir(exist_ok=True)
+            d.store.make_dir(d.layout.trash.key)
             for temp in temps:
                 with contextlib.suppress(FileNotFoundError):
-                    self._ops.replace(temp, d.layout.trash / temp.name)
+                    d.store.move(temp.name, (d.layout.trash / temp.name).key)
         logger.info("safeckpt: collected %d interrupted write(s) in %s", len(temps), directory)
         d.deleter.schedule()
 
@@ -340,9 +346,9 @@ class SafeCheckpointIO(CheckpointIO):
         with self._dirs_lock:  # the training and the writer thread both remove
             d = self._dirs.get(directory)
             if d is None:
-                layout = Layout(directory)
-                lock = SidecarLock(layout.lock_path, timeout=self.lock_timeout)
-                deleter = Deleter(layout, lock, self._ops, retry_interval=self.retry_interval)
+                layout = Layout(Loc(PosixStore(directory, self._ops)))
+                lock = layout.store.lock(timeout=self.lock_timeout)
+                deleter = Deleter(layout, lock, retry_interval=self.retry_interval)
                 deleter.start()
                 d = self._dirs[directory] = _Dir(layout, lock, deleter)
             return d

@@ -1,0 +1,12 @@
+"""The storage seam's POSIX implementation: a root on a local disk, NFS or Lustre.
+
+:class:`PosixStore` keeps everything a root needs from a POSIX filesystem:
+``renameat2(RENAME_EXCHANGE)`` commits, fsyncs of files and directories,
+``O_DIRECT`` writes and reads, ``flock``, regular-file-only opens. importing it
+registers it for local paths (:func:`safeckpt._store.open_store`); :mod:`.local` holds the few file
+operations on paths that are not a root (weights files, an index file).
+"""
+
+from .store import PosixStore
+
+__all__ = ["PosixStore"]
