@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
@@ -38,6 +37,7 @@ from .._format.record import Record, read_record
 from .._fs.safe_open import check_member_name
 from .._storage.reader import ItemInfos, RawFileSystemReader
 from .._storage.writer import RawFileSystemWriter
+from .._util.torch_private import set_element
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .nesting import flatten_nested, nest_for_dcp
 from .plans import SavePlans
