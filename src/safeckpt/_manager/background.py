@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._util.torch_private import dtensor_local, dtensor_with_local
+from .._util.torch_private import dtensor_local, dtensor_with_local, foreach_copy_
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StagingSlot:
             else:
                 host_src = sources
             if host_src:
-                torch._foreach_copy_(self._flat_host_dst, host_src)
+                foreach_copy_(self._flat_host_dst, host_src)
         if self._flat_device:
             torch.cuda.synchronize()
         return dict(zip(keys, bufs, strict=True))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._format.layout import Layout
+from .._util.torch_private import child_module
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .export import INDEX_NAME, ExportExistsError
 
@@ -65,7 +66,7 @@ def weights_module(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
         owner = module
         try:
             for part in parents:
-                child = owner._modules.get(part)
+                child = child_module(owner, part)
                 if child is None:
                     child = nn.Module()
                     owner.add_module(part, child)

@@ -87,6 +87,7 @@ __all__ = [
     "WeightsOnlyUnpickler",
     "available",
     "callbacks_state_dict",
+    "child_module",
     "datamodule_state_dict",
     "dtensor_local",
     "dtensor_with_local",
@@ -205,6 +206,42 @@ def _copy_each(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor])
 foreach_copy_: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], Any] = (
     _private("torch", "_foreach_copy_") or _copy_each
 )
+
+
+# --- modules --------------------------------------------------------------------------------------
+
+
+def _child_public(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    if not name:
+        return None  # get_submodule("") is the module itself; a child never has that name
+    try:
+        return module.get_submodule(name)
+    except AttributeError:  # no such attribute, or one that is not a module
+        return None
+
+
+def _child_private(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return module._modules.get(name)
+    except AttributeError:  # a torch whose Module keeps its children elsewhere
+        return _child_public(module, name)
+
+
+def _children_dict() -> bool:
+    """Whether a Module keeps its children in the dict ``_modules`` (an instance attribute)."""
+    if not ENABLED:
+        _missing["torch.nn.Module._modules"] = f"{SWITCH}=0"
+        return False
+    if isinstance(getattr(torch.nn.Module(), "_modules", None), dict):
+        return True
+    _missing["torch.nn.Module._modules"] = "not a dict of children in this torch"
+    return False
+
+
+child_module: Callable[[torch.nn.Module, str], torch.nn.Module | None] = (
+    _child_private if _children_dict() else _child_public
+)
+"""``module``'s direct child module ``name`` (``Module._modules``), or None."""
 
 
 # --- process groups -----------------------------------------------------------------------------
@@ -483,6 +520,7 @@ def available() -> dict[str, bool]:
         "distributed_c10d._world": _world_known,
         "DTensor._local_tensor": dtensor_local is not _local_public,
         "DTensor._spec": _spec_known,
+        "Module._modules": child_module is _child_private,
         "save-plan caching": plan_caching is not None,
     }
 
