@@ -236,9 +236,18 @@ def verify_file(
     *,
     step: int | None,
     progress: Callable[[int], None] | None = None,
+    fd: int | None = None,
 ) -> None:
-    """Read all of ``path`` and check every segment; raises on the first mismatch."""
-    fd, info = open_regular(path)
+    """Read all of ``path`` and check every segment; raises on the first mismatch.
+
+    ``fd``: ``path`` open already (left open): the bytes checked are those a reader of ``fd`` reads,
+    even if ``path`` is replaced meanwhile.
+    """
+    own = fd is None
+    if fd is None:
+        fd, info = open_regular(path)
+    else:
+        info = os.fstat(fd)
     try:
         if info.st_size != checksum.size:
             raise IncompleteCheckpointError(
@@ -260,7 +269,8 @@ def verify_file(
             if crc != segment.crc:
                 raise corrupt(path, segment.offset, step=step)
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 def checksum_file(path: Path) -> FileChecksum:
