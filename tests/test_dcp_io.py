@@ -424,6 +424,7 @@ def test_an_unexpected_error_while_reading_whole_tensors_fails_the_restore_as_dc
     for io in ("raw", "torch"):  # whole tensors read here, and through dcp.load
         monkeypatch.setenv("SAFECKPT_DCP_IO", io)
         monkeypatch.setattr(dcp_io.RawFileSystemReader, "_read_file", failing)
+        monkeypatch.setattr(dcp_io.RawFileSystemReader, "_read_file_public", failing)  # torch privates off
         monkeypatch.setattr(dcp_io.FileSystemReader, "read_data", failing)
         other, other_optim = fresh()
         with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError) as raised:
