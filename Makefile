@@ -8,13 +8,14 @@ PYTEST_ARGS ?=
 
 .PHONY: setup system-deps demo test test-fallback test-slow lint bench clean
 
-# The fallback pass: the tests again with every private torch and Lightning fast path switched off
-# (SAFECKPT_TORCH_PRIVATE=0, src/safeckpt/_util/torch_private.py), so the public fallbacks alone
-# save, load, restore and export. Every test file that does so in one process, the DTensor
+# The fallback pass: the tests again with every private torch and Lightning fast path switched
+# off (SAFECKPT_TORCH_PRIVATE=0, src/safeckpt/_util/torch_private.py), so the public fallbacks
+# alone save, load, restore and export. Every test file that does so in one process, the DTensor
 # (state_dist) and Lightning ones that reach the other fallbacks, and the door's own tests: 4.8 min
-# of pytest on the project's 2-core VM (the first pass: about 7). Left out: what reaches no fallback of its own (policies, locks, removal,
-# registrars, gc, the demo's training loop, 2-rank runs beyond state_dist) and Lightning's two
-# longest scenarios. The raw-storage tests skip themselves there (they need the fast path).
+# of pytest on the project's 2-core VM (the first pass: about 7). Left out: what reaches no
+# fallback of its own (policies, locks, removal, registrars, gc, the demo's training loop, 2-rank
+# runs beyond state_dist) and Lightning's two longest scenarios. The raw-storage tests skip
+# themselves there (they need the fast path).
 FALLBACK_TESTS := tests/test_torch_private.py tests/test_dcp_io.py tests/test_save_plans.py \
 	tests/test_state.py tests/test_state_dicts.py tests/test_state_restore.py tests/test_state_legacy.py \
 	tests/test_state_dist.py tests/test_per_rank.py tests/test_restore_aliasing.py tests/test_restored.py \
