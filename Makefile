@@ -6,7 +6,25 @@ PIP := $(PY) -m pip
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-slow lint bench clean
+.PHONY: setup system-deps demo test test-fallback test-slow lint bench clean
+
+# The fallback pass: the tests again with every private torch and Lightning fast path switched
+# off (SAFECKPT_TORCH_PRIVATE=0, src/safeckpt/_util/torch_private.py), so the public fallbacks
+# alone save, load, restore and export. Every test file that does so in one process, the DTensor
+# (state_dist) and Lightning ones that reach the other fallbacks, and the door's own tests: 4.8 min
+# of pytest on the project's 2-core VM (the first pass: about 7). Left out: what reaches no
+# fallback of its own (policies, locks, removal, registrars, gc, the demo's training loop, 2-rank
+# runs beyond state_dist) and Lightning's two longest scenarios. The raw-storage tests skip
+# themselves there (they need the fast path).
+FALLBACK_TESTS := tests/test_torch_private.py tests/test_dcp_io.py tests/test_save_plans.py \
+	tests/test_state.py tests/test_state_dicts.py tests/test_state_restore.py tests/test_state_legacy.py \
+	tests/test_state_dist.py tests/test_per_rank.py tests/test_restore_aliasing.py tests/test_restored.py \
+	tests/test_manager.py tests/test_async.py tests/test_integrity.py tests/test_crash.py tests/test_edges.py \
+	tests/test_failure_paths.py tests/test_preemption.py tests/test_guards.py tests/test_direct_read.py \
+	tests/test_export.py tests/test_cli.py tests/test_cli_inspect.py tests/test_cli_damaged.py \
+	tests/test_lightning.py \
+	--deselect tests/test_lightning.py::test_reference_scenario_50_runs \
+	--deselect tests/test_lightning.py::test_managed_ddp_two_ranks_then_resume_on_one
 
 # torch first, from the pinned constraints, so nothing pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
@@ -34,6 +52,10 @@ test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(FALLBACK_TESTS) $(PYTEST_ARGS)
+
+test-fallback: setup system-deps
+	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
 test-slow: setup system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from notice import without_notice
 from safeckpt import CheckpointManager, Retention, read_record
 from safeckpt._format.record import amend_record
 from safeckpt._fs.atomic import swap_pointer
@@ -282,8 +283,10 @@ def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).parent / "safeckpt"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "safeckpt"]
     env = {k: v for k, v in os.environ.items() if k != "SAFECKPT_DEBUG"}
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+    return without_notice(
+        subprocess.run(
+            [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+        )
     )
 
 

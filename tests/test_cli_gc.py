@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from notice import without_notice
 from safeckpt import CheckpointManager
 from safeckpt.cli import main
 
@@ -54,8 +55,10 @@ def run_cli(*args: Any) -> subprocess.CompletedProcess[str]:
     command = [str(script)] if script.exists() else [sys.executable, "-m", "safeckpt"]
     env = {**os.environ, "COLUMNS": "250"}
     env.pop("SAFECKPT_DEBUG", None)
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+    return without_notice(
+        subprocess.run(
+            [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+        )
     )
 
 

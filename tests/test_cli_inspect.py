@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import safeckpt
+from notice import without_notice
 from safeckpt import CheckpointManager
 from safeckpt.cli import main
 
@@ -35,8 +36,10 @@ def run_cli(*args: Any) -> subprocess.CompletedProcess[str]:
     command = [str(script)] if script.exists() else [sys.executable, "-m", "safeckpt"]
     env = {**os.environ, "COLUMNS": "250"}
     env.pop("SAFECKPT_DEBUG", None)
-    return subprocess.run(
-        [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+    return without_notice(
+        subprocess.run(
+            [*command, *map(str, args)], capture_output=True, text=True, env=env, timeout=180, check=False
+        )
     )
 
 

@@ -429,6 +429,7 @@ def test_an_unexpected_error_while_reading_whole_tensors_fails_the_restore_as_dc
         monkeypatch.setenv("SAFECKPT_DCP_IO", io)
         monkeypatch.setattr(RawFileSystemReader, "_read_file", failing)
         monkeypatch.setattr(FileSystemReader, "read_data", failing)
+        monkeypatch.setattr(RawFileSystemReader, "_read_file_public", failing)  # torch privates off
         other, other_optim = fresh()
         with CheckpointManager(root) as mgr, pytest.raises(IncompleteCheckpointError) as raised:
             mgr.restore({"model": other, "optim": other_optim, "epoch": 0}, step=1)

@@ -15,6 +15,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from notice import without_notice
 from safeckpt import read_record
 from safeckpt.demo import main, weights_sha256
 
@@ -30,12 +31,14 @@ def run_demo(root: Path, *args: str, module: str = "safeckpt.demo") -> subproces
         command.append("demo")
     env = {**os.environ, "COLUMNS": "200"}
     env.pop("SAFECKPT_DEBUG", None)
-    return subprocess.run(
-        [*command, "--dir", str(root), *SMALL, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    return without_notice(
+        subprocess.run(
+            [*command, "--dir", str(root), *SMALL, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
     )
 
 

@@ -14,12 +14,17 @@ import safeckpt
 from safeckpt import CheckpointManager, Retention
 from safeckpt._dcp import plans as save_plans
 from safeckpt._dcp.io import read_metadata
-from safeckpt._dcp.plans import _CACHES
 from safeckpt._storage.writer import RawFileSystemWriter
+from safeckpt._util.torch_private import PLAN_CACHES
 from safeckpt.errors import SaveFailedError
 
 # Every test but the last needs DCP's plan caches (torch 2.13 has them; an older torch may not).
 needs_caching = pytest.mark.skipif(not save_plans.CACHING, reason="this torch has no DCP plan caching")
+
+
+def cached(name: str) -> dict[str, Any]:
+    """DCP's class-level plan cache ``name`` (empty where this torch has none)."""
+    return getattr(SavePlanner, f"_cached_{name}", {})
 
 
 @pytest.fixture
@@ -61,8 +66,8 @@ def test_a_plan_is_reused_while_the_state_keeps_its_shape(tmp_path: Path, global
             mgr.save(step, state)
         assert len(global_plans) == 1
         key = mgr._plans.key
-        assert all(key in getattr(SavePlanner, name) for name in _CACHES)
-    assert not any(key in getattr(SavePlanner, name) for name in _CACHES)  # forgotten at close
+        assert all(key in cached(name) for name in PLAN_CACHES)
+    assert not any(key in cached(name) for name in PLAN_CACHES)  # forgotten at close
     loaded = safeckpt.load(tmp_path / "ckpt")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
 
@@ -127,7 +132,7 @@ def test_a_failed_save_drops_the_plans_and_the_next_one_plans_in_full(
         monkeypatch.setattr(RawFileSystemWriter, "write_data", failing)
         with pytest.raises(SaveFailedError, match="injected"):
             mgr.save(2, state)
-        assert not any(mgr._plans.key in getattr(SavePlanner, name) for name in _CACHES)
+        assert not any(mgr._plans.key in cached(name) for name in PLAN_CACHES)
         monkeypatch.setattr(RawFileSystemWriter, "write_data", original)
         mgr.save(3, state)
         assert len(global_plans) == 3
@@ -159,7 +164,7 @@ def test_a_torch_without_plan_caching_plans_every_save(
     with CheckpointManager(tmp_path / "ckpt", async_save=False, retention=Retention()) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
-        assert not any(mgr._plans.key in getattr(SavePlanner, name) for name in _CACHES)
+        assert not any(mgr._plans.key in cached(name) for name in PLAN_CACHES)
     assert len(global_plans) == 2
     assert torch.equal(safeckpt.load(tmp_path / "ckpt")["w"], state["w"])
 

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -37,6 +36,7 @@ from .._format.record import Record, read_record
 from .._store.base import ItemInfos
 from .._store.loc import Loc, as_loc
 from .._util.forksafe import reset_in_child
+from .._util.torch_private import set_element
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from . import options
 from .nesting import flatten_nested, nest_for_dcp

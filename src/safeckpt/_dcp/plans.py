@@ -33,7 +33,6 @@ on the writer's thread, holding the GIL beside training.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import operator
 import uuid
 from typing import Any
@@ -55,24 +54,13 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from .._util import torch_private
 from ..errors import CheckpointError
 from .nesting import flatten_nested
 
-# DCP's class-level caches (torch.distributed.checkpoint.default_planner), by key.
-_CACHES = (
-    "_cached_save_plan",
-    "_cached_all_plans",
-    "_cached_global_plan",
-    "_cached_metadata",
-    "_cached_final_save_plan",
-)
-
-
-# DCP's plan caching as this module was written against (torch 2.13); with a torch without it
-# every save plans in full.
-CACHING = all(hasattr(SavePlanner, name) for name in _CACHES) and (
-    "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
-)
+# DCP's plan caching (class-level caches, by key) as this module was written against (torch 2.13),
+# through the one door to torch's privates; with a torch without it every save plans in full.
+CACHING = torch_private.plan_caching is not None
 
 
 class SavePlans:
@@ -88,8 +76,8 @@ class SavePlans:
 
     def forget(self) -> None:
         self.inputs = None
-        for name in _CACHES:
-            getattr(SavePlanner, name, {}).pop(self.key, None)
+        if torch_private.plan_caching is not None:
+            torch_private.plan_caching.forget(self.key)
 
 
 class _SafeSavePlanner(DefaultSavePlanner):
@@ -97,7 +85,9 @@ class _SafeSavePlanner(DefaultSavePlanner):
         super().__init__(**({"enable_plan_caching": True} if caching else {}))
         self._caching = caching
         self._plans = plans
-        self._cached_plans_key = plans.key
+        self._key = plans.key
+        if caching:
+            _caches().use_key(self, plans.key)
         self._unpromoted: SavePlan | None = None  # this save's new local plan, until it is planned
         self._inputs: _Inputs | None = None  # what it was made from
 
@@ -119,7 +109,7 @@ class _SafeSavePlanner(DefaultSavePlanner):
         inputs = _inputs(self.state_dict, self.is_coordinator, self.mappings)
         if not self._caching:
             return self._new_local_plan(inputs)
-        cache, key = SavePlanner._cached_save_plan, self._cached_plans_key
+        cache, key = _caches().cache("save_plan"), self._key
         # Without a cached plan DCP plans in full; the strict comparison is ours.
         previous = cache.pop(key, None)
         if previous is not None and inputs is not None and inputs == self._plans.inputs:
@@ -158,9 +148,7 @@ class _SafeSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if not self._caching:
             return super().create_global_plan(all_plans)
-        if self._cached_plans_key not in SavePlanner._cached_all_plans and not all(
-            plan.usable for plan in all_plans
-        ):
+        if self._key not in _caches().cache("all_plans") and not all(plan.usable for plan in all_plans):
             # DCP would plan without that rank's tensors. Raised on every rank, which forgets.
             raise CheckpointError(
                 "a rank reused a save plan that the coordinator no longer holds; every rank drops "
@@ -179,9 +167,15 @@ class _SafeSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         finished = super().finish_plan(new_plan)
         if self._caching and self._unpromoted is not None:
-            SavePlanner._cached_save_plan[self._cached_plans_key] = self._unpromoted
+            _caches().cache("save_plan")[self._key] = self._unpromoted
             self._plans.inputs = self._inputs
         return finished
+
+
+def _caches() -> torch_private.PlanCaching:
+    caching = torch_private.plan_caching
+    assert caching is not None  # a planner caches only where the door found DCP's caches
+    return caching
 
 
 def _same(plan: SavePlan, other: SavePlan) -> bool:

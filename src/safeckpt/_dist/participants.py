@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._util.forksafe import at_exit
+from .._util.torch_private import group_is_live
 from ..errors import CheckpointError, RankAgreementError
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class Participants:
         for group in groups:
             try:
                 # gone already when the caller destroyed every group first
-                if group is not None and dist.is_initialized() and group in _live_groups():
+                if group is not None and dist.is_initialized() and group_is_live(group):
                     dist.destroy_process_group(group)
             except Exception as e:  # never instead of the caller's own error
                 logger.warning("safeckpt: could not shut down one of the manager's gloo groups: %s", e)
@@ -190,10 +191,6 @@ def _unreleased(parts: Participants) -> Participants:
     at_exit(_release_all)
     _UNRELEASED[id(parts)] = parts
     return parts
-
-
-def _live_groups() -> Any:
-    return dist.distributed_c10d._world.pg_map
 
 
 def _release_all() -> None:

@@ -42,8 +42,9 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
 class RegularFile:
     """An open regular file: opened without following a link, its size as opened."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, *, own: bool = True) -> None:
         self._fd = fd
+        self._own = own
         self.size = size
 
     @classmethod
@@ -51,13 +52,19 @@ class RegularFile:
         fd, info = open_regular(path)
         return cls(fd, info.st_size)
 
+    @classmethod
+    def borrow(cls, fd: int) -> RegularFile:
+        """A file the caller opened and keeps open (``close`` leaves it open): what is read is
+        what the caller reads, even if its path names another file by now."""
+        return cls(fd, os.fstat(fd).st_size, own=False)
+
     def read(self, offset: int, length: int) -> bytes:
         return read_fd(self._fd, offset, length)
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._fd >= 0 and self._own:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
 
     def __enter__(self) -> RegularFile:
         return self

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .._util.torch_private import dtensor_local, dtensor_with_local, foreach_copy_
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -119,7 +121,7 @@ class StagingSlot:
             else:
                 host_src = sources
             if host_src:
-                torch._foreach_copy_(self._flat_host_dst, host_src)
+                foreach_copy_(self._flat_host_dst, host_src)
         if self._flat_device:
             torch.cuda.synchronize()
         return dict(zip(keys, bufs, strict=True))
@@ -179,7 +181,7 @@ class StagingSlot:
         if DTensor is not None and isinstance(tensor, DTensor):
             # Keep the DTensor wrapper (mesh, placements, global shape) around a host local
             # tensor; DCP writes the local shard and records the global layout.
-            return DTensor(host, tensor._spec, requires_grad=False)
+            return dtensor_with_local(tensor, host)
         return host
 
 
@@ -194,7 +196,7 @@ def _is_dtensor(tensor: Any) -> bool:
 
 def _local(tensor: Any) -> torch.Tensor:
     if DTensor is not None and isinstance(tensor, DTensor):
-        return tensor._local_tensor
+        return dtensor_local(tensor)
     return tensor
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from .._format.layout import Layout
 from .._store.base import DIR, FILE
 from .._store.loc import as_loc, as_root
+from .._util.torch_private import child_module
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .export import INDEX_NAME, ExportExistsError
 
@@ -71,7 +72,7 @@ def weights_module(tensors: Mapping[str, torch.Tensor]) -> nn.Module:
         owner = module
         try:
             for part in parents:
-                child = owner._modules.get(part)
+                child = child_module(owner, part)
                 if child is None:
                     child = nn.Module()
                     owner.add_module(part, child)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from .._util.torch_private import dtensor_local
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -200,7 +202,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
         assert isinstance(b, DTensor)
         if a.placements != b.placements or a.device_mesh != b.device_mesh or a.shape != b.shape:
             return False
-        a, b = a._local_tensor, b._local_tensor
+        a, b = dtensor_local(a), dtensor_local(b)
     try:
         return (
             a.dtype == b.dtype

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .._dcp.nesting import nest_for_dcp
+from .._util.torch_private import dtensor_local
 from ..errors import UnsupportedStateError
 from .per_rank import PerRank, is_stateful, per_rank
 from .state_dicts import StateDicts
@@ -336,7 +337,7 @@ def escape_key(key: Any) -> str:
 
 
 def _check_tensor(tensor: torch.Tensor, where: str) -> None:
-    local = tensor._local_tensor if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    local = dtensor_local(tensor) if DTensor is not None and isinstance(tensor, DTensor) else tensor
     if local.layout != torch.strided:
         raise unsupported(tensor, where, f" with layout {local.layout}")
     if local.is_quantized or local.is_nested or local.device.type == "meta":

@@ -10,8 +10,10 @@ that it copies from, as DCP does; a cold file with ``O_DIRECT``
 (:mod:`safeckpt._fs.direct_read`) in whole 16 MiB windows, each copied into place
 while the next ones read. ``data.pkl`` is unpickled with torch's weights-only
 unpickler, the one ``torch.load(weights_only=True)`` uses, so nothing from
-the file can run code. What it cannot read the fast way (stream transforms,
-safetensors, a torch whose private helpers changed) goes to DCP's own reader.
+the file can run code. Where torch's private helpers are missing (or switched
+off, :mod:`safeckpt._util.torch_private`), each item is read, checked and
+``torch.load``-ed as DCP's own reader loads it, through the same open file;
+what it cannot read at all (stream transforms, safetensors) goes to DCP's own reader.
 """
 
 from __future__ import annotations
@@ -73,9 +75,7 @@ class RawFileSystemReader(FileSystemReader):
         self._whole_verified: set[str] = set()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if not raw_path_available():
-            self.verify_items(plan.items)
-            return super().read_data(plan, planner)
+        raw = raw_path_available()
         infos = plan.storage_data
         if not isinstance(infos, ItemInfos) or len(infos) != len(plan.items):
             # Looked up once here (each lookup hashes a key in Python), unless the plan did already.
@@ -88,7 +88,10 @@ class RawFileSystemReader(FileSystemReader):
             fd, _ = open_regular(Path(path))
             try:
                 advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
-                self._read_file(fd, items, planner)
+                if raw:
+                    self._read_file(fd, items, planner)
+                else:
+                    self._read_file_public(fd, items, planner)
             finally:
                 os.close(fd)
         future: Future[None] = Future()
@@ -152,6 +155,29 @@ class RawFileSystemReader(FileSystemReader):
                     self._finish_run(fd, batch[0], planner)
                 else:
                     self._finish_batch(fd, cast(list[Planned], batch), planner)
+
+    def _read_file_public(self, fd: int, items: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        """Where torch's private serialization helpers are off (:func:`raw_path_available` false):
+        each item's bytes read from ``fd``, checked, and loaded as DCP's own reader loads them
+        (``torch.load(weights_only=True)``, then a copy into the destination). Every check and read
+        goes through the one open file, so the bytes checked are the bytes loaded even when the
+        checkpoint is replaced meanwhile (DCP's reader would open the path again)."""
+        for item, info in sorted(items, key=lambda pair: pair[1].offset):
+            if item.type is LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+                self._read_other(fd, item, planner)
+                continue
+            data = _pread_exact(fd, info.length, info.offset)
+            segment = self._segment(item, fd)
+            if segment is not None and crc32(data) != segment.crc:
+                raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            saved = _narrow(tensor, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != saved.size():
+                sizes = f"{target.size()} vs {saved.size()}"
+                raise AssertionError(f"req {item.storage_index} mismatch sizes {sizes}")
+            target.copy_(saved)
+            planner.commit_tensor(item, target)
 
     def _plan_run(
         self,
@@ -299,7 +325,7 @@ class RawFileSystemReader(FileSystemReader):
                 self._read_archive(fd, p.offset, p.length, p.items, planner)
                 continue
             info = self.storage_data[p.items[0].storage_index]
-            segment = self._segment(p.items[0])
+            segment = self._segment(p.items[0], fd)
             if segment is not None and p.checksum() != segment.crc:
                 raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
             for item, target in zip(p.items, p.targets, strict=True):
@@ -315,7 +341,7 @@ class RawFileSystemReader(FileSystemReader):
             self.verify_items([item])
             super().read_data(LoadPlan([item]), planner).wait()
             return
-        segment = self._segment(item)
+        segment = self._segment(item, fd)
         data = _pread_exact(fd, info.length, info.offset)
         if segment is not None and crc32(data) != segment.crc:
             raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
@@ -328,7 +354,7 @@ class RawFileSystemReader(FileSystemReader):
         head = _pread_exact(fd, min(length, _WINDOW), offset)
         info = self.storage_data[items[0].storage_index]
         where = (Path(self.path) / info.relative_path, info.offset)
-        segment = self._segment(items[0])
+        segment = self._segment(items[0], fd)
         archive = _Archive(fd, offset, length, head=head)
         shape = self._shapes.known(length, head)
         if shape is not None:
@@ -387,8 +413,11 @@ class RawFileSystemReader(FileSystemReader):
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {saved.size()}")
         return target
 
-    def _segment(self, item: ReadItem) -> Segment | None:
-        """The recorded segment of ``item`` (None: nothing to check against); a mismatch raises."""
+    def _segment(self, item: ReadItem, fd: int | None = None) -> Segment | None:
+        """The recorded segment of ``item`` (None: nothing to check against); a mismatch raises.
+
+        A file with one checksum for all of it (DCP's own writer wrote it) is checked whole, once,
+        through ``fd`` when given (the file the caller reads ``item`` from)."""
         if self._checksums is None:
             return None
         info = self.storage_data[item.storage_index]
@@ -398,7 +427,7 @@ class RawFileSystemReader(FileSystemReader):
             # One segment for the whole file (written by DCP's own writer): check it all, once.
             if info.relative_path not in self._whole_verified:
                 path = Path(self.path) / info.relative_path
-                with RegularFile.open(path) as handle:
+                with RegularFile.open(path) if fd is None else RegularFile.borrow(fd) as handle:
                     verify_handle(handle, path, file_checksum, step=self._step)
                 self._whole_verified.add(info.relative_path)
             return None

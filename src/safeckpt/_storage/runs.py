@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._format.checksums import crc32
+from .._util.torch_private import foreach_copy_
 from .torchsave.reader import _ArchiveShape, _Layout
 
 __all__ = ["RUN_ARCHIVE_BYTES", "RUN_BYTES", "RUN_MIN", "PlannedRun", "runs_as"]
@@ -94,7 +95,7 @@ class PlannedRun:
             # Views made outside autograd's tracking: 1 us each instead of 5.
             with torch.inference_mode():
                 saved = data.contiguous().view(layout.dtype).view(len(targets), *layout.tensor.size())
-                torch._foreach_copy_(targets, list(saved.unbind(0)))
+                foreach_copy_(targets, list(saved.unbind(0)))
 
 
 def runs_as(layout: _Layout) -> bool:

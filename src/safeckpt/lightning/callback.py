@@ -37,13 +37,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .._manager.manager import CheckpointManager
 from .._policy.retention import Retention
 from .._registration.registrar import Registrar
 from .._state.train_state import capture_rng, restore_rng
+from .._util import torch_private
 from ..errors import ConfigError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
@@ -63,13 +63,12 @@ class _TrainerState:
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self.trainer
-        connector = trainer._checkpoint_connector
         state: dict[str, Any] = {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "pytorch-lightning_version": pl.__version__,
-            "loops": connector._get_loops_state_dict(),
-            "callbacks": call._call_callbacks_state_dict(trainer),
+            "loops": torch_private.loops_state_dict(trainer),
+            "callbacks": torch_private.callbacks_state_dict(trainer),
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         }
         precision = trainer.precision_plugin
@@ -78,7 +77,7 @@ class _TrainerState:
             state[type(precision).__qualname__] = precision_state
         datamodule = trainer.datamodule
         if datamodule is not None:
-            datamodule_state = call._call_lightning_datamodule_hook(trainer, "state_dict")
+            datamodule_state = torch_private.datamodule_state_dict(trainer)
             if datamodule_state:
                 state[type(datamodule).__qualname__] = datamodule_state
         return state
@@ -201,16 +200,7 @@ class ManagedCheckpoint(Checkpoint):
             return
         # What Trainer.fit(ckpt_path=...) does after the weights: callbacks, precision, loops,
         # schedulers. The weights and optimizers are loaded already (through DCP).
-        connector = trainer._checkpoint_connector
-        connector._loaded_checkpoint = holder.loaded
-        try:
-            connector.restore_datamodule()
-            connector.restore_callbacks()
-            connector.restore_precision_plugin_state()
-            connector.restore_loops()
-            connector.restore_lr_schedulers()
-        finally:
-            connector._loaded_checkpoint = {}  # so the Trainer's own restore has nothing left to do
+        torch_private.restore_trainer_state(trainer, holder.loaded)
         self.restored_step = int(step)
         self._rng = rng
         logger.info("safeckpt: resumed at global_step %d from %s", trainer.global_step, self.dirpath)

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from .._format.layout import Layout
@@ -46,6 +45,7 @@ from .._posix import PosixStore
 from .._root.removal import Deleter
 from .._store.base import Lock, Store
 from .._store.loc import Loc
+from .._util.torch_private import load_lightning_file
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
 from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
 
@@ -193,7 +193,7 @@ class SafeCheckpointIO(CheckpointIO):
         self._raise_pending()
         if not target.exists():
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}", path=str(target))
-        return pl_load(target, map_location=map_location, weights_only=weights_only)
+        return load_lightning_file(target, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Make ``path`` go away: cancel its queued save, remove it after its write, or trash it (rank 0)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..._format.checksums import crc32
+from ..._util import torch_private
 from .zipformat import (
     _DESCRIPTOR,
     _LOCAL,
@@ -26,10 +27,8 @@ from .zipformat import (
     _tail_masks,
 )
 
-try:  # private: the unpickler torch.load(weights_only=True) uses
-    from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
-except ImportError:  # pragma: no cover
-    _WeightsOnlyUnpickler = None  # type: ignore[assignment,misc]
+# Private, through the one door (None where torch lacks it): the unpickler torch.load(weights_only=True) uses.
+_WeightsOnlyUnpickler = torch_private.WeightsOnlyUnpickler
 
 _WINDOW = 4096  # bytes read at each end of a tensor archive: its headers, data.pkl, its directory
 
@@ -243,7 +242,7 @@ def _read_layout(pickled: bytes) -> _Layout:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         found.append((str(key), dtype, nbytes))
         untyped = torch.UntypedStorage(nbytes, device="meta")
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return torch_private.typed_storage(untyped, dtype)
 
     unpickler = _WeightsOnlyUnpickler(io.BytesIO(pickled), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]

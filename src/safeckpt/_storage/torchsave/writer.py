@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import torch
 
+from ..._util import torch_private
 from .reader import _ArchiveShape, _read_layout, _Record, _WeightsOnlyUnpickler
 from .zipformat import (
     _central_directory,
@@ -33,15 +34,11 @@ from .zipformat import (
 
 logger = logging.getLogger("safeckpt._storage.writer")
 
-try:  # private: the per-entry location DCP pickles into .metadata
-    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-except ImportError:  # pragma: no cover - every torch >= 2.0 has them
-    _StorageInfo = _StoragePrefix = None  # type: ignore[assignment,misc]
-
-try:  # private: the pickling half of torch.save, which takes any writer with write_record()
-    from torch.serialization import _save as _torch_save_records
-except ImportError:  # pragma: no cover
-    _torch_save_records = None  # type: ignore[assignment]
+# Private, through the one door (None where torch lacks them): the per-entry location DCP pickles
+# into .metadata, and the pickling half of torch.save, which takes any writer with write_record().
+_StorageInfo = torch_private.StorageInfo
+_StoragePrefix = torch_private.StoragePrefix
+_torch_save_records = torch_private.torch_save_records
 
 
 def raw_path_available() -> bool:
