@@ -324,16 +324,13 @@ def evict(path: Path) -> None:
 
 def evict_all(path: Path) -> None:
     """:func:`evict`, and what safeckpt keeps parsed in this process (the last ``.metadata`` and
-    checksums, safeckpt._dcp.io): a cold restore then starts as a restarted job's does."""
-    from safeckpt._dcp import io as dcp_io
-
+    checksums, safeckpt._dcp.safe_metadata): a cold restore then starts as a restarted job's does."""
     evict(path)
-    forget = getattr(dcp_io, "forget_parsed", None)
-    if forget is not None:
-        forget()
-    else:  # a checkout from before it (trace_restore.py with PYTHONPATH): the same caches
-        for cache in ("_last_parsed", "_parsed_checksums"):
-            getattr(dcp_io, cache, []).clear()
+    try:
+        from safeckpt._dcp.safe_metadata import forget_parsed
+    except ImportError:  # a checkout from before the split (trace_restore.py with PYTHONPATH)
+        from safeckpt._dcp.io import forget_parsed  # type: ignore[attr-defined,no-redef]
+    forget_parsed()
 
 
 def dir_bytes(path: Path) -> int:

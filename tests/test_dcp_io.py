@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from safeckpt import CheckpointManager
 from safeckpt._dcp import io as dcp_io
-from safeckpt._dcp.io import METADATA_NAME, SafeLoadPlanner, load, read_metadata, reader_for, save
+from safeckpt._dcp import safe_metadata
+from safeckpt._dcp.io import SafeLoadPlanner, load, reader_for, save
+from safeckpt._dcp.safe_metadata import METADATA_NAME, read_metadata
 from safeckpt._format.checksums import FileChecksum
 from safeckpt._format.record import list_files, read_record, write_record
 from safeckpt._fs.fileops import FileOps
@@ -192,7 +194,7 @@ def plant_metadata(directory: Path, payload: bytes) -> None:
     checksums[METADATA_NAME] = FileChecksum.whole(payload).to_json()
     amended = dataclasses.replace(record, files=files, checksums=checksums)
     write_record(loc(directory, FileOps()), amended, lock)
-    dcp_io.forget_parsed()
+    safe_metadata.forget_parsed()
 
 
 @pytest.mark.parametrize("name", ATTACKS)
@@ -286,18 +288,21 @@ def test_what_is_parsed_is_kept_within_a_read_and_forgotten_after_it(root: Path)
     record = read_record(directory)
     outside = read_metadata(directory, record=record)
     assert read_metadata(directory, record=record) is not outside  # nothing held between reads
-    assert dcp_io.checksums_of(record, directory) is not dcp_io.checksums_of(record, directory)
-    with dcp_io.parsed_kept():
-        first, checksums = read_metadata(directory, record=record), dcp_io.checksums_of(record, directory)
-        with dcp_io.parsed_kept():  # nested: the same
+    assert safe_metadata.checksums_of(record, directory) is not safe_metadata.checksums_of(record, directory)
+    with safe_metadata.parsed_kept():
+        first, checksums = (
+            read_metadata(directory, record=record),
+            safe_metadata.checksums_of(record, directory),
+        )
+        with safe_metadata.parsed_kept():  # nested: the same
             assert read_metadata(directory, record=record) is first
         assert read_metadata(directory, record=record) is first  # kept: a restore asks several times
-        assert dcp_io.checksums_of(record, directory) is checksums
-        dcp_io.forget_parsed()  # as a new process starts (benchmarks)
+        assert safe_metadata.checksums_of(record, directory) is checksums
+        safe_metadata.forget_parsed()  # as a new process starts (benchmarks)
         again = read_metadata(directory, record=record)
         assert again is not first and again.state_dict_metadata == first.state_dict_metadata
-        assert dcp_io.checksums_of(record, directory) is not checksums
-    assert not dcp_io._last_parsed and not dcp_io._parsed_checksums  # the outermost scope ended
+        assert safe_metadata.checksums_of(record, directory) is not checksums
+    assert not safe_metadata._last_parsed and not safe_metadata._parsed_checksums  # the outermost scope ended
 
 
 def test_a_restore_or_load_keeps_nothing_parsed_after_it(root: Path) -> None:
@@ -305,16 +310,16 @@ def test_a_restore_or_load_keeps_nothing_parsed_after_it(root: Path) -> None:
     with CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, state)
         unpickled = []
-        real = dcp_io._unpickle_metadata
+        real = safe_metadata._unpickle_metadata
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dcp_io, "_unpickle_metadata", lambda *a: unpickled.append(1) or real(*a))
+            mp.setattr(safe_metadata, "_unpickle_metadata", lambda *a: unpickled.append(1) or real(*a))
             target = {"w": torch.zeros(6), "n": {"b": torch.zeros(3)}}
             assert mgr.restore(target).step == 1 and torch.equal(target["w"], state["w"])
             assert unpickled == [1]  # once, though verify, the key check and the reader all read it
-            assert not dcp_io._last_parsed and not dcp_io._parsed_checksums
+            assert not safe_metadata._last_parsed and not safe_metadata._parsed_checksums
             loaded = mgr.load()
             assert torch.equal(loaded["n"]["b"], state["n"]["b"]) and unpickled == [1, 1]
-            assert not dcp_io._last_parsed and not dcp_io._parsed_checksums
+            assert not safe_metadata._last_parsed and not safe_metadata._parsed_checksums
 
 
 # --- damaged metadata -----------------------------------------------------------------------------------

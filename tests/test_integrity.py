@@ -29,7 +29,7 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
-from safeckpt._dcp import io as dcp_io
+from safeckpt._dcp import safe_metadata
 from safeckpt._format.catalog import scan
 from safeckpt._format.checksums import FileChecksum, combine, crc32
 from safeckpt._fs.atomic import read_pointer
@@ -294,7 +294,7 @@ def test_orphans_are_collected_at_open_and_only_they(root: Path) -> None:
 
 def _repoint_metadata(step_dir: Path, relative: str) -> None:
     """Point every storage entry of ``.metadata`` at ``relative`` and fix the record to match."""
-    metadata = dcp_io.read_metadata(step_dir)
+    metadata = safe_metadata.read_metadata(step_dir)
     for index, info in list(metadata.storage_data.items()):
         metadata.storage_data[index] = type(info)(relative, info.offset, info.length)
     buffer = io.BytesIO()
@@ -305,7 +305,7 @@ def _repoint_metadata(step_dir: Path, relative: str) -> None:
     record["files"][".metadata"] = len(data)
     record["checksums"][".metadata"] = FileChecksum.whole(data).to_json()
     (step_dir / "metadata.json").write_text(json.dumps(record))
-    dcp_io.forget_parsed()
+    safe_metadata.forget_parsed()
 
 
 @pytest.mark.parametrize("relative", ["../outside.bin", "/etc/passwd", "train_state.rank0.safetensors"])

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 import safeckpt
 from safeckpt import CheckpointManager, Retention
 from safeckpt._dcp import plans as save_plans
-from safeckpt._dcp.io import read_metadata
+from safeckpt._dcp.safe_metadata import read_metadata
 from safeckpt._storage.writer import RawFileSystemWriter
 from safeckpt._util.torch_private import PLAN_CACHES
 from safeckpt.errors import SaveFailedError

@@ -66,7 +66,7 @@ def saved_and_loaded(root: Path, state: dict[Any, Any], *, async_save: bool) -> 
 
 
 def dcp_keys(checkpoint: Path) -> set[str]:
-    from safeckpt._dcp.io import read_metadata
+    from safeckpt._dcp.safe_metadata import read_metadata
 
     return set(read_metadata(checkpoint).state_dict_metadata)
 

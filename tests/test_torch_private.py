@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element as torch_set_element
 
 from notice import NOTICE
+from safeckpt._util import public_fallbacks
 from safeckpt._util import torch_private as door
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +115,7 @@ def test_set_element_fallback_is_dcps(path: tuple[Any, ...]) -> None:
     ours, theirs = start(), start()
     if path[:2] in (("a", 2), ("a", 1), ("a", 0), ("a", 3)):
         ours["a"], theirs["a"] = [None], [None]  # a list on the way: DCP extends it
-    door._set_element(ours, path, "v")
+    public_fallbacks.set_element(ours, path, "v")
     torch_set_element(theirs, path, "v")
     assert ours == theirs
 

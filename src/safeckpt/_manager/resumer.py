@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._dcp.options import IOOptions
 from .._dcp.options import using as using_io
 from .._dist.participants import Participants, agreed_error
@@ -84,7 +84,7 @@ class Resumer:
         self._io = io
 
     @collector_paused()  # the record's and the plan's objects too, not only DCP's (see _util.gc_pause)
-    @dcp_io.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
+    @safe_metadata.parsed_kept()  # chosen, verified, checked per rank and read: .metadata parsed once
     def restore(
         self,
         state: MutableMapping[str, Any],

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.layout import Layout
 from .._format.record import Record
 from .._restore.choose import check_own_files, choose_checkpoint, read_chosen
@@ -153,7 +154,7 @@ class ExportResult:
         }
 
 
-@dcp_io.parsed_kept()  # the checkpoint is chosen, verified and read: one unpickle of .metadata
+@safe_metadata.parsed_kept()  # the checkpoint is chosen, verified and read: one unpickle of .metadata
 def plan_export(
     root: str | os.PathLike[str],
     *,
@@ -205,7 +206,7 @@ def _plan(
     directory: Path, record: Record, *, key: str, format: str, dtype: torch.dtype | None, shard_size: int
 ) -> ExportPlan:
     """The output of ``directory``'s tensors under ``key``, from its ``.metadata`` alone."""
-    metadata = dcp_io.read_metadata(directory)
+    metadata = safe_metadata.read_metadata(directory)
     prefix = f"{key}."
     tensors = []
     for fqn, meta in metadata.state_dict_metadata.items():
@@ -305,7 +306,7 @@ def export_weights(
     )
 
 
-@dcp_io.parsed_kept()  # each group's load reads the same .metadata
+@safe_metadata.parsed_kept()  # each group's load reads the same .metadata
 def write_export(
     plan: ExportPlan,
     out: str | os.PathLike[str],

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.catalog import Catalog, scan, verify_files
 from .._format.layout import Layout, parse_step_dirname
 from .._format.record import list_files, read_record
@@ -110,7 +110,7 @@ def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str,
     the file that holds it); an unsharded tensor has one chunk covering it.
     """
     checkpoint_dir = as_loc(checkpoint_dir)
-    metadata = dcp_io.read_metadata(checkpoint_dir)
+    metadata = safe_metadata.read_metadata(checkpoint_dir)
     files: dict[tuple[str, tuple[int, ...] | None], str] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         offset = tuple(index.offset) if index.offset is not None else None

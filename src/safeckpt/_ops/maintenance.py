@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.catalog import Catalog, Entry, damaged_note, scan, settled_scan, verify_files
 from .._format.checksums import verify_file
 from .._format.layout import Layout, parse_damaged_name, parse_step_dirname
@@ -337,7 +337,7 @@ def total_bytes(root: str | os.PathLike[str], steps: Sequence[int] | None = None
     )
 
 
-@dcp_io.parsed_kept()  # the checksums, parsed once for the files and .metadata
+@safe_metadata.parsed_kept()  # the checksums, parsed once for the files and .metadata
 def verify_entry(entry: Entry, *, progress: Callable[[int], None] | None = None) -> list[str]:
     """What is wrong with one checkpoint, reading all of its bytes (empty: sound)."""
     problems = verify_files(entry)
@@ -345,7 +345,7 @@ def verify_entry(entry: Entry, *, progress: Callable[[int], None] | None = None)
         return problems
     record = entry.record
     try:
-        checksums = dcp_io.checksums_of(record, entry.path, for_load=False)
+        checksums = safe_metadata.checksums_of(record, entry.path, for_load=False)
     except CheckpointError as e:
         return [str(e)]
     if checksums is None:
@@ -357,7 +357,7 @@ def verify_entry(entry: Entry, *, progress: Callable[[int], None] | None = None)
             except (CheckpointError, OSError) as e:
                 problems.append(str(e))
     try:
-        dcp_io.read_metadata(entry.path, record=record)
+        safe_metadata.read_metadata(entry.path, record=record)
     except (CheckpointError, OSError) as e:
         problems.append(str(e))
     return problems

@@ -15,6 +15,7 @@ from typing import TypeVar
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.catalog import Catalog, scan
 from .._format.checksums import read_verified
 from .._format.identity import Fate, fate_of
@@ -102,7 +103,7 @@ def _check_files(directory: Loc, record: Record) -> None:
             path=str(directory),
             step=record.step,
         )
-    dcp_io.read_metadata(directory, record=record)
+    safe_metadata.read_metadata(directory, record=record)
 
 
 def removed_while_read(directory: Loc, record: Record) -> CheckpointNotFoundError:
@@ -211,7 +212,7 @@ def check_own_files(directory: Loc, record: Record, rank: int) -> None:
     name = train_state_filename(rank)
     if name not in record.files:
         name = train_state_filename(0)
-    checksums = dcp_io.checksums_of(record, directory)
+    checksums = safe_metadata.checksums_of(record, directory)
     if name in record.files:
         read_verified(
             directory / name,

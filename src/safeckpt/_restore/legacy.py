@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.walk import module_for
@@ -56,7 +57,7 @@ def load_legacy(
     apply: list[Callable[[], None]] = []
     missing: list[str] = []
     try:
-        metadata = dcp_io.read_metadata(directory, record=record)
+        metadata = safe_metadata.read_metadata(directory, record=record)
         saved = {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
         for key, value in state.items():
             in_dcp = isinstance(value, (nn.Module, torch.optim.Optimizer, torch.Tensor))

@@ -6,17 +6,19 @@ import os
 from typing import Any
 
 from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
 from .._store.loc import Loc, as_loc, as_root
 from .._util.gc_pause import collector_paused
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
 from .choose import read_chosen
-from .load_plan import ABSENT, LoadPlan, Selection
+from .load_plan import LoadPlan, Selection
+from .put_back import ABSENT
 
 
 @collector_paused()  # thousands of small objects: see safeckpt._util.gc_pause
-@dcp_io.parsed_kept()  # chosen, verified and read: .metadata parsed once
+@safe_metadata.parsed_kept()  # chosen, verified and read: .metadata parsed once
 def load(root_or_checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
     """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
 
@@ -58,7 +60,7 @@ class _TemplateNeededError(IncompleteCheckpointError, UnsupportedStateError):
 
 
 def _load_template_free(directory: Loc, record: Any) -> dict[Any, Any]:
-    metadata = dcp_io.read_metadata(directory, record=record)
+    metadata = safe_metadata.read_metadata(directory, record=record)
     tree, _ = read_tree(directory, record, None)
     if isinstance(tree, Legacy):
         raise _TemplateNeededError(

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
 from .._dcp import options as io_options
+from .._dcp import safe_metadata
 from .._dist.participants import Participants
 from .._format.record import Record
 from .._state.train_state import Legacy, read_tree, restore_rng
@@ -92,7 +93,7 @@ def _load_checkpoint(
     rng: Any = None
     metadata: Any = None
     try:
-        metadata = dcp_io.read_metadata(directory, record=record)
+        metadata = safe_metadata.read_metadata(directory, record=record)
         tree, rng = read_tree(directory, record, parts.rank)
         if rng is None and record.world_size > 1:
             logger.warning(

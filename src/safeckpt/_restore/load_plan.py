@@ -21,7 +21,6 @@ filled in place wherever they sit.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,19 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
 from .._state.per_rank import PerRank, is_stateful
 from .._state.walk import display, module_for
 from ..errors import UnsupportedStateError
+from .put_back import ABSENT, Map, Seq, Shared, copy_into, fill_in, put_per_rank, unwrapped
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-ABSENT: Any = _Absent()
 
 
 @dataclass(frozen=True)
@@ -94,19 +86,6 @@ def _dotted(path: Any, name: str) -> str:
     return path
 
 
-class _Map(dict):  # type: ignore[type-arg]
-    """Loaded items of a mapping (only those to put in place)."""
-
-
-@dataclass
-class _Seq:
-    """Loaded items of a list or tuple, by index; ``length`` of the result."""
-
-    items: dict[int, Any]
-    length: int
-    is_tuple: bool
-
-
 class LoadPlan:
     """How one checkpoint's state lands in a target state (see the module docstring).
 
@@ -126,7 +105,7 @@ class LoadPlan:
         self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
         self.per_rank: list[str] = []  # per_rank() values this rank loads its own saved values into
         self._actions: list[tuple[str, Callable[[], None]]] = []  # (the value's path, what loads it)
-        self._shared = _Shared()
+        self._shared = Shared()
 
     def report(self) -> LoadReport:
         return LoadReport(tuple(self.missing), tuple(self.unexpected))
@@ -189,7 +168,7 @@ class LoadPlan:
         :class:`UnsupportedStateError` naming it, which says the state is partly loaded: DCP
         has filled the state's tensors in place by then, and nothing can take that back.
         """
-        result = _apply(state, loaded, self._shared)
+        result = fill_in(state, loaded, self._shared)
         for where, action in self._actions:
             try:
                 action()
@@ -224,7 +203,7 @@ class LoadPlan:
             return module
         template = get_model_state_dict(module)
         loaded = self.plan(template, node, keys)
-        self._later(keys, lambda: set_model_state_dict(module, _apply(template, loaded, self._shared)))
+        self._later(keys, lambda: set_model_state_dict(module, fill_in(template, loaded, self._shared)))
         return module
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, node: Any, keys: tuple[Any, ...]) -> Any:
@@ -234,7 +213,7 @@ class LoadPlan:
         template = get_optimizer_state_dict(module, optimizer)
         loaded = self.plan(template, node, keys)
         self._later(
-            keys, lambda: set_optimizer_state_dict(module, optimizer, _apply(template, loaded, self._shared))
+            keys, lambda: set_optimizer_state_dict(module, optimizer, fill_in(template, loaded, self._shared))
         )
         return optimizer
 
@@ -243,7 +222,7 @@ class LoadPlan:
         # (a fresh optimizer has no moments yet, and gets the saved ones).
         template = obj.state_dict()
         loaded = self.plan(template, node, keys, full=True)
-        self._later(keys, lambda: obj.load_state_dict(_unwrapped(_apply(template, loaded, self._shared))))
+        self._later(keys, lambda: obj.load_state_dict(unwrapped(fill_in(template, loaded, self._shared))))
         return obj
 
     def _per_rank(self, target: PerRank, node: Any, keys: tuple[Any, ...], full: bool) -> Any:
@@ -253,7 +232,7 @@ class LoadPlan:
             return target
         self.per_rank.append(display(keys) or "the state")
         inner = self.plan(target.value, node, keys, full)
-        self._later(keys, lambda: _put_per_rank(target, inner, self._shared))
+        self._later(keys, lambda: put_per_rank(target, inner, self._shared))
         return target
 
     def _saved_tensor(self, target: Any, saved: torch.Tensor, keys: tuple[Any, ...], full: bool) -> Any:
@@ -261,7 +240,7 @@ class LoadPlan:
         has the same shape and dtype, else it takes the target's place."""
         if isinstance(target, torch.Tensor):
             if target.shape == saved.shape and target.dtype == saved.dtype:
-                self._later(keys, lambda: _copy_into(target, saved))
+                self._later(keys, lambda: copy_into(target, saved))
                 return target
             if not full:
                 self.problems.append(
@@ -292,7 +271,7 @@ class LoadPlan:
         return fresh
 
     def _mapping(self, target: Any, items: Any, keys: tuple[Any, ...], full: bool) -> Any:
-        out = _Map()
+        out = Map()
         if not isinstance(target, Mapping):
             for k, child in items:
                 out[k] = self.plan(ABSENT, child, (*keys, k), full)
@@ -321,12 +300,12 @@ class LoadPlan:
     def _sequence(self, target: Any, nodes: Any, keys: tuple[Any, ...], full: bool, is_tuple: bool) -> Any:
         if not isinstance(target, (list, tuple)):
             items = {i: self.plan(ABSENT, child, (*keys, i), full) for i, child in enumerate(nodes)}
-            return _Seq(items, len(nodes), is_tuple)
+            return Seq(items, len(nodes), is_tuple)
         self._shared.reach(target)
         # An empty list is a placeholder too, and a list of plain values is one value: it is
         # replaced whole (a list of hyper-parameters has no "missing" entries).
         full = full or not target or not _has_tensor({"L": nodes})
-        out = _Seq({}, len(nodes) if full else len(target), is_tuple)
+        out = Seq({}, len(nodes) if full else len(target), is_tuple)
         for i, child in enumerate(nodes):
             child_keys = (*keys, i)
             if not self.selection.wanted(child_keys):
@@ -373,130 +352,6 @@ def _has_tensor(node: Any) -> bool:
 
 def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
-
-
-def _copy_into(target: torch.Tensor, saved: torch.Tensor) -> None:
-    with torch.no_grad():  # a parameter's copy must not record autograd history
-        target.copy_(saved)
-
-
-def _unwrapped(value: Any) -> Any:
-    """``value`` with every ``per_rank`` wrapper replaced by what it holds, for a ``Stateful``'s
-    ``load_state_dict`` (which gets what its ``state_dict`` held, as ``safeckpt.load`` returns it).
-    Containers are copied where something changed: the object may hand out its own dicts."""
-    if isinstance(value, PerRank):
-        return _unwrapped(value.value)
-    if isinstance(value, dict):
-        items = {k: _unwrapped(v) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
-    if isinstance(value, (list, tuple)):
-        values = [_unwrapped(v) for v in value]
-        if all(a is b for a, b in zip(values, value, strict=True)):
-            return value
-        return tuple(values) if isinstance(value, tuple) else values
-    return value
-
-
-def _put_per_rank(wrapper: PerRank, loaded: Any, shared: _Shared) -> None:
-    value = _apply(wrapper.value, loaded, shared)
-    if value is not wrapper.value:  # a value replaced whole (a tensor of another shape, a number)
-        wrapper.value = value
-
-
-class _Shared:
-    """The lists and dicts a state holds at more than one path, and how each is filled.
-
-    The plan :meth:`reach`-es every container of the state it matches; :meth:`fill` fills
-    a shared one in place through its first path and, for each later path, a copy of what
-    it held before (so what that path's checkpoint lacks keeps the state's value there).
-    """
-
-    def __init__(self) -> None:
-        self._reached: dict[int, Any] = {}  # by id, holding the objects so that no id is reused
-        self.shared: dict[int, Any] = {}
-        self._before: dict[int, Any] = {}  # a shared container's contents before its first fill
-
-    def reach(self, target: Any) -> None:
-        if not _fills_in_place(target):
-            return
-        if id(target) in self._reached:
-            self.shared[id(target)] = target
-        else:
-            self._reached[id(target)] = target
-
-    def fill(self, target: Any, loaded: Any) -> Any:
-        before = self._before.get(id(target))
-        if before is None:
-            self._before[id(target)] = copy.copy(target)
-            return _fill(target, loaded, self)
-        mine = _fill(copy.copy(before), loaded, self)
-        # What the first path put is what this path saved: one object, as the state had it.
-        return target if _alike(mine, target) else mine
-
-
-def _fills_in_place(value: Any) -> bool:
-    return isinstance(value, (dict, list)) or (isinstance(value, Mapping) and hasattr(value, "__setitem__"))
-
-
-def _alike(a: Any, b: Any) -> bool:
-    """The same structure and values, tensors the same objects (their values are not compared)."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or isinstance(a, torch.Tensor):
-        return False
-    if isinstance(a, Mapping):
-        return list(a) == list(b) and all(_alike(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b, strict=True))
-    try:
-        return bool(a == b)
-    except Exception:  # a value without a plain ==: not known to be alike
-        return False
-
-
-def _apply(target: Any, loaded: Any, shared: _Shared) -> Any:
-    """Put ``loaded`` into ``target`` where it is a container; the value for its position."""
-    if loaded is target:
-        return target
-    if shared.shared and id(target) in shared.shared and isinstance(loaded, (_Map, _Seq)):
-        return shared.fill(target, loaded)
-    return _fill(target, loaded, shared)
-
-
-def _fill(target: Any, loaded: Any, shared: _Shared) -> Any:
-    if isinstance(loaded, _Map):
-        if isinstance(target, dict) or (isinstance(target, Mapping) and hasattr(target, "__setitem__")):
-            for k, v in loaded.items():
-                current = target.get(k, ABSENT)
-                new = _apply(current, v, shared)
-                if new is not current:
-                    target[k] = new
-            return target
-        return {k: _apply(ABSENT, v, shared) for k, v in loaded.items()}
-    if isinstance(loaded, _Seq):
-        if isinstance(target, (list, tuple)):
-            values = list(target)
-            for i in sorted(loaded.items):
-                current = values[i] if i < len(values) else ABSENT
-                new = _apply(current, loaded.items[i], shared)
-                if i < len(values):
-                    values[i] = new
-                else:
-                    values.append(new)
-            if isinstance(target, list):
-                for i, v in enumerate(values):
-                    if i >= len(target):
-                        target.append(v)
-                    elif v is not target[i]:
-                        target[i] = v
-                return target
-            changed = len(values) != len(target) or any(
-                a is not b for a, b in zip(values, target, strict=False)
-            )
-            return tuple(values) if changed else target
-        values = [_apply(ABSENT, loaded.items[i], shared) for i in range(loaded.length)]
-        return tuple(values) if loaded.is_tuple else values
-    return loaded
 
 
 # --- without a template --------------------------------------------------------------------

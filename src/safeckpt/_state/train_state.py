@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from .._dcp import io as dcp_io
+from .._dcp import safe_metadata
 from .._format.checksums import read_verified
 from .._format.record import Record
 from .._store.loc import Loc
@@ -326,7 +326,7 @@ def _rank_files(record: Record) -> list[str]:
 
 
 def _read(directory: Loc, name: str, record: Record) -> dict[str, Any]:
-    checksums = dcp_io.checksums_of(record, directory)
+    checksums = safe_metadata.checksums_of(record, directory)
     blob = read_verified(
         directory / name,
         size=record.files.get(name),

@@ -35,6 +35,7 @@ from .._format.checksums import FileChecksum, Segment, corrupt, crc32, verify_ha
 from .._fs.direct_read import DirectFileReader
 from .._fs.safe_open import RegularFile, open_regular
 from .._store.base import ItemInfos
+from . import placement
 from .batching import BATCH_ARCHIVES, BATCH_BYTES, Planned, ReadAhead
 from .prefetch import advise
 from .prefetch import lookup as early_lookup
@@ -166,12 +167,12 @@ class RawFileSystemReader(FileSystemReader):
             if item.type is LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
                 self._read_other(fd, item, planner)
                 continue
-            data = _pread_exact(fd, info.length, info.offset)
+            data = placement.pread_exact(fd, info.length, info.offset)
             segment = self._segment(item, fd)
             if segment is not None and crc32(data) != segment.crc:
                 raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            saved = _narrow(tensor, item.storage_offsets, item.lengths)
+            saved = placement.narrow(tensor, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != saved.size():
                 sizes = f"{target.size()} vs {saved.size()}"
@@ -194,15 +195,15 @@ class RawFileSystemReader(FileSystemReader):
             return None
         shape, items = probe
         size = shape.layout.tensor.size()
-        if not _runs_into(_fillable(planner.resolve_tensor(items[0])), size):
+        if not placement.runs_into(placement.fillable(planner.resolve_tensor(items[0])), size):
             return None  # (CUDA targets, say) found without scanning the rest of the run
         shape, items = cast(
             tuple[_ArchiveShape, list[ReadItem]], self._run_items(order, k, archives, lengths)
         )
         targets: list[torch.Tensor] = []
         for item in items:
-            target = _fillable(planner.resolve_tensor(item))
-            if not _runs_into(target, size):
+            target = placement.fillable(planner.resolve_tensor(item))
+            if not placement.runs_into(target, size):
                 break  # the batch path takes it: a plain copy_, or DCP's error for a wrong size
             targets.append(target)
         if len(targets) < RUN_MIN:
@@ -306,13 +307,13 @@ class RawFileSystemReader(FileSystemReader):
                 if run is not None:
                     runs[k + len(planned)] = run
                     break
-            if not all(_fits(shape.layout, item) for item in group):
+            if not all(placement.fits(shape.layout, item) for item in group):
                 break  # not this shape after all: the slow path finds out what it is
-            targets = [_fillable(planner.resolve_tensor(item)) for item in group]
-            saved = [_saved(shape.layout, item) for item in group]
+            targets = [placement.fillable(planner.resolve_tensor(item)) for item in group]
+            saved = [placement.saved(shape.layout, item) for item in group]
             if any(t.size() != s.size() for t, s in zip(targets, saved, strict=True)):
                 break
-            straight = len(group) == 1 and _reads_straight_into(targets[0], saved[0], shape.layout)
+            straight = len(group) == 1 and placement.reads_straight_into(targets[0], saved[0], shape.layout)
             planned.append(Planned(offset, length, group, shape, targets, straight))
             size += length
             end = offset + length
@@ -331,7 +332,7 @@ class RawFileSystemReader(FileSystemReader):
             for item, target in zip(p.items, p.targets, strict=True):
                 if not p.straight:
                     assert p.storage is not None
-                    _place(p.storage, p.shape.layout, item, target)
+                    placement.place(p.storage, p.shape.layout, item, target)
                 planner.commit_tensor(item, target)
 
     def _read_other(self, fd: int, item: ReadItem, planner: LoadPlanner) -> None:
@@ -342,7 +343,7 @@ class RawFileSystemReader(FileSystemReader):
             super().read_data(LoadPlan([item]), planner).wait()
             return
         segment = self._segment(item, fd)
-        data = _pread_exact(fd, info.length, info.offset)
+        data = placement.pread_exact(fd, info.length, info.offset)
         if segment is not None and crc32(data) != segment.crc:
             raise corrupt(Path(self.path) / info.relative_path, info.offset, step=self._step)
         planner.load_bytes(item, io.BytesIO(data))
@@ -351,7 +352,7 @@ class RawFileSystemReader(FileSystemReader):
         self, fd: int, offset: int, length: int, items: list[ReadItem], planner: LoadPlanner
     ) -> None:
         """Read one tensor archive into every item it feeds, parsing and checking all of it."""
-        head = _pread_exact(fd, min(length, _WINDOW), offset)
+        head = placement.pread_exact(fd, min(length, _WINDOW), offset)
         info = self.storage_data[items[0].storage_index]
         where = (Path(self.path) / info.relative_path, info.offset)
         segment = self._segment(items[0], fd)
@@ -362,7 +363,9 @@ class RawFileSystemReader(FileSystemReader):
         else:
             layout, record = self._shapes.locate(archive, archive.walk())
         targets = [self._target(item, layout, planner) for item in items]
-        straight = len(items) == 1 and _reads_straight_into(targets[0], _saved(layout, items[0]), layout)
+        straight = len(items) == 1 and placement.reads_straight_into(
+            targets[0], placement.saved(layout, items[0]), layout
+        )
         if straight:
             data = _bytes_of(targets[0])
         else:
@@ -399,7 +402,7 @@ class RawFileSystemReader(FileSystemReader):
             raise corrupt(where[0], where[1], step=self._step)
         for item, target in zip(items, targets, strict=True):
             if not straight:
-                _place(storage, layout, item, target)
+                placement.place(storage, layout, item, target)
             planner.commit_tensor(item, target)
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -407,8 +410,8 @@ class RawFileSystemReader(FileSystemReader):
         self._shapes.tensors = getattr(metadata, "state_dict_metadata", None) or {}
 
     def _target(self, item: ReadItem, layout: _Layout, planner: LoadPlanner) -> torch.Tensor:
-        target = _fillable(planner.resolve_tensor(item))
-        saved = _saved(layout, item)
+        target = placement.fillable(planner.resolve_tensor(item))
+        saved = placement.saved(layout, item)
         if target.size() != saved.size():
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {saved.size()}")
         return target
@@ -456,76 +459,3 @@ class RawFileSystemReader(FileSystemReader):
                 os.close(fd)
             if crc32(data) != segment.crc:
                 raise corrupt(path, info.offset, step=self._step)
-
-
-def _fillable(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or where filling it in place would be refused its view outside autograd (a
-    parameter, a tensor that requires grad, an inference tensor: ``copy_`` into it is refused outside
-    inference mode, into its view it is not). The view costs a Python object per tensor."""
-    plain = type(tensor) is torch.Tensor and not tensor.requires_grad and not tensor.is_inference()
-    return tensor if plain else tensor.detach()
-
-
-def _reads_straight_into(target: torch.Tensor, saved: torch.Tensor, layout: _Layout) -> bool:
-    """The stored bytes are exactly the target's bytes: same dtype, both dense, nothing narrowed."""
-    return (
-        target.is_cpu
-        and target.dtype == layout.dtype
-        and target.is_contiguous()
-        and layout.dense
-        and saved.size() == layout.tensor.size()
-        and target.layout == torch.strided
-        and not target.is_conj()
-        and not target.is_neg()
-    )
-
-
-def _runs_into(target: torch.Tensor, size: torch.Size) -> bool:
-    """``target`` can be filled by a run's ``_foreach_copy_`` exactly as ``copy_`` fills it: a plain
-    CPU tensor of the saved size (not a conjugate or negative view, which it refuses, nor an
-    inference tensor, which ``copy_`` refuses outside inference mode)."""
-    return (
-        type(target) is torch.Tensor
-        and target.is_cpu
-        and target.size() == size
-        and not target.is_conj()
-        and not target.is_neg()
-        and not target.is_inference()
-    )
-
-
-def _fits(layout: _Layout, item: ReadItem) -> bool:
-    """The part ``item`` asks for lies inside a tensor of ``layout``."""
-    size = layout.tensor.size()
-    if len(item.storage_offsets) != len(size) or len(item.lengths) != len(size):
-        return False
-    parts = zip(item.storage_offsets, item.lengths, size, strict=True)
-    return all(o >= 0 and o + n <= d for o, n, d in parts)
-
-
-def _saved(layout: _Layout, item: ReadItem) -> torch.Tensor:
-    """The part of the stored tensor that ``item`` asks for (a view of the meta tensor)."""
-    return _narrow(layout.tensor, item.storage_offsets, item.lengths)
-
-
-def _place(storage: torch.Tensor, layout: _Layout, item: ReadItem, target: torch.Tensor) -> None:
-    """Copy the item's part of the stored bytes (read into ``storage``) into ``target``."""
-    meta = layout.tensor
-    full = torch.empty(0, dtype=layout.dtype).set_(
-        storage.untyped_storage(), meta.storage_offset(), meta.size(), meta.stride()
-    )
-    target.copy_(_narrow(full, item.storage_offsets, item.lengths))
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    data = os.pread(fd, n, offset)
-    if len(data) != n:
-        raise EOFError("the checkpoint file is shorter than its metadata says")
-    return data
-
-
-def _narrow(tensor: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
-        if start != 0 or length != tensor.size(dim):
-            tensor = torch.narrow(tensor, dim, start, length)
-    return tensor

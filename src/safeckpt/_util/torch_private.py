@@ -10,8 +10,8 @@ in ``pyproject.toml`` is the oldest torch the test suite was run on.
 =================================  ==========================================  ==============================
 private symbol                     fast path (who uses it)                     public fallback
 =================================  ==========================================  ==============================
-``dcp._traverse.set_element``      a loaded non-tensor value into the nested   :func:`_set_element`, DCP's
-                                   state (``_dcp.io.SafeLoadPlanner``)          own walk, copied
+``dcp._traverse.set_element``      a loaded non-tensor value into the nested   DCP's own walk, written
+                                   state (``_dcp.io.SafeLoadPlanner``)          again (``public_fallbacks``)
 ``dcp.filesystem._StorageInfo``    the raw DCP writer's per-item storage info  DCP's ``FileSystemWriter``
 ``dcp.filesystem._StoragePrefix``  (``_storage.writer``; both pickled into     and ``FileSystemReader``
                                    ``.metadata`` by DCP itself)                 (same files, slower)
@@ -43,7 +43,7 @@ private symbol                             public fallback
 ``trainer._checkpoint_connector``          the loops' own ``state_dict()`` and ``load_state_dict()``
 ``._get_loops_state_dict``,                (fit, validate, test, predict), each callback's, the
 ``._loaded_checkpoint`` + ``restore_*``    precision plugin's, the datamodule's and the schedulers',
-``call._call_callbacks_state_dict``        called as the connector calls them
+``call._call_callbacks_state_dict``        called as the connector calls them (``public_fallbacks``)
 ``call._call_lightning_datamodule_hook``
 ``fabric.utilities.cloud_io._load``        ``torch.load`` of the (local) file
 =========================================  ===========================================================
@@ -55,7 +55,7 @@ modules; Lightning is an external package it leaves out) and the rule that
 the core never imports Lightning holds at run time: nothing here imports it
 unless a ``safeckpt.lightning`` object calls in.
 
-Not symbols safeckpt calls: ``_dcp.io``'s restricted unpickler admits
+Not symbols safeckpt calls: ``_dcp.safe_metadata``'s restricted unpickler admits
 ``torch.serialization._get_layout`` and the two ``filesystem`` classes by name,
 because DCP pickles them into ``.metadata``; a torch without them could not
 read its own checkpoints either.
@@ -69,15 +69,16 @@ misbehaves on some torch without changing code.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 import operator
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from . import public_fallbacks
 
 __all__ = [
     "ENABLED",
@@ -142,30 +143,8 @@ def _private(module: str, name: str) -> Any:
 # --- DCP: nested values on load ---------------------------------------------------------------
 
 
-def _set_element(root: Any, path: Sequence[Any], value: Any) -> None:
-    """Set ``value`` in ``root`` along ``path`` (DCP's object path: keys and list indices),
-    making the dicts and lists on the way as DCP's ``_traverse.set_element`` does."""
-    current = root
-    for i in range(1, len(path)):
-        key, following = path[i - 1], path[i]
-        default: Any = {} if type(following) is str else []
-        if isinstance(current, Mapping):
-            current = current.setdefault(key, default)  # type: ignore[attr-defined]
-        else:
-            while len(current) <= key:
-                current.append(None)
-            if current[key] is None:
-                current[key] = default
-            current = current[key]
-    last = path[-1]
-    if type(last) is int:
-        while len(current) <= last:
-            current.append(None)
-    current[last] = value
-
-
 set_element: Callable[[Any, Sequence[Any], Any], None] = (
-    _private("torch.distributed.checkpoint._traverse", "set_element") or _set_element
+    _private("torch.distributed.checkpoint._traverse", "set_element") or public_fallbacks.set_element
 )
 
 
@@ -448,52 +427,7 @@ def restore_trainer_state(trainer: Any, loaded: dict[str, Any]) -> None:
         finally:
             connector._loaded_checkpoint = {}  # so the Trainer's own restore has nothing left to do
         return
-    _restore_public(trainer, loaded)
-
-
-def _restore_public(trainer: Any, loaded: dict[str, Any]) -> None:
-    """The connector's restores, in its order, through public hooks only."""
-    if not loaded:
-        return
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    datamodule = trainer.datamodule
-    if datamodule is not None and type(datamodule).__qualname__ in loaded:
-        datamodule.load_state_dict(loaded[type(datamodule).__qualname__])
-    callback_states = loaded.get("callbacks")
-    if callback_states is not None:
-        for callback in trainer.callbacks:
-            callback.on_load_checkpoint(trainer, trainer.lightning_module, loaded)
-        for callback in trainer.callbacks:
-            state = callback_states.get(callback.state_key)
-            if state:
-                callback.load_state_dict(copy.deepcopy(state))
-    precision = trainer.precision_plugin
-    precision.on_load_checkpoint(loaded)
-    if type(precision).__qualname__ in loaded:
-        precision.load_state_dict(loaded[type(precision).__qualname__])
-    loops = loaded.get("loops")
-    fn = trainer.state.fn
-    if loops is not None:
-        by_fn = {
-            TrainerFn.FITTING: "fit_loop",
-            TrainerFn.VALIDATING: "validate_loop",
-            TrainerFn.TESTING: "test_loop",
-            TrainerFn.PREDICTING: "predict_loop",
-        }
-        if fn in by_fn:
-            getattr(trainer, by_fn[fn]).load_state_dict(loops[by_fn[fn]])
-    if fn == TrainerFn.FITTING:
-        max_epochs = trainer.max_epochs
-        if max_epochs is not None and max_epochs != -1 and trainer.current_epoch > max_epochs:
-            raise MisconfigurationException(
-                f"You restored a checkpoint with current_epoch={trainer.current_epoch},"
-                f" but you have set Trainer(max_epochs={max_epochs})."
-            )
-    # As the connector: schedulers past the shorter of the two lists are left as they are.
-    for config, state in zip(trainer.lr_scheduler_configs, loaded["lr_schedulers"], strict=False):
-        config.scheduler.load_state_dict(state)
+    public_fallbacks.restore_trainer_state(trainer, loaded)
 
 
 def load_lightning_file(path: os.PathLike[str], *, map_location: Any, weights_only: bool | None) -> Any:
@@ -512,7 +446,7 @@ def available() -> dict[str, bool]:
     """Each torch fast path, and whether it runs (False: its public fallback does). Lightning's are
     looked up when first used and are not listed before."""
     return {
-        "set_element": set_element is not _set_element,
+        "set_element": set_element is not public_fallbacks.set_element,
         "raw DCP storage (_StorageInfo, _StoragePrefix, _save, weights-only Unpickler)": None
         not in (StorageInfo, StoragePrefix, torch_save_records, WeightsOnlyUnpickler),
         "TypedStorage(_internal=True)": _typed_storage_internal,

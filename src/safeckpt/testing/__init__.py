@@ -7,7 +7,7 @@ filesystem process itself.
 from .counting import CleanupPass, CountingFileOps
 from .holder import FileHolder, Hold, hold_open
 from .nfs import NFSMount, NFSMountError, fuse_unavailable_reason, is_mounted, mount_nfs
-from .nfsfs import Linger, NFSConfig
+from .nfs_model import Linger, NFSConfig
 
 __all__ = [
     "CleanupPass",

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import nfsfs
-from .nfsfs import Linger, NFSConfig
+from .nfs_model import Linger, NFSConfig
 
 MOUNT_TIMEOUT = 15.0
 """How long a mount may take to appear (a loaded CI machine starts Python slowly)."""
