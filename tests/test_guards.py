@@ -42,7 +42,8 @@ from safeckpt import (
     UnsupportedStateError,
     read_record,
 )
-from safeckpt._dcp.io import forget_parsed, load, read_metadata, save
+from safeckpt._dcp.io import load, save
+from safeckpt._dcp.safe_metadata import forget_parsed, read_metadata
 
 
 def filled(step: int) -> dict[str, Any]:
