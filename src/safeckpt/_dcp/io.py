@@ -11,6 +11,7 @@ the classes DCP metadata is made of, and non-tensor values are loaded with
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -49,7 +50,7 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore",
-            message="torch.distributed is disabled, unavailable or uninitialized",
+            message="torch.distributed is (disabled, )?unavailable or uninitialized",  # 2.7+ and 2.6 wordings
             category=UserWarning,
         )
         yield
@@ -175,9 +176,13 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+# torch before 2.7 has no ``no_dist=``: it runs without a process group whenever none is initialized.
+_NO_DIST = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+
+
 def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
     if group is None or not dist.is_initialized():
-        return {"no_dist": True}
+        return dict(_NO_DIST)
     return {"process_group": group}
 
 
