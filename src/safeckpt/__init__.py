@@ -8,7 +8,7 @@ with CheckpointManager("runs/exp1/ckpt", retention=Retention(keep_last=3)) as mg
     mgr.save(step, state, metrics={"val_loss": v})
 """
 
-from . import _posix  # noqa: F401  (local roots: registers the POSIX store)
+from . import _posix, _s3  # noqa: F401  (register the stores: local paths, s3:// URLs)
 from ._format.record import Record, read_record
 from ._fs.fileops import FileOps
 from ._manager.manager import CheckpointManager

@@ -48,7 +48,8 @@ class CheckpointManager:
     """Saves, keeps, prunes and restores the checkpoints of one training run.
 
     Args:
-        root: the run's checkpoint directory (created if missing).
+        root: the run's checkpoint directory (created if missing), or an ``s3://bucket/prefix``
+            URL (credentials and endpoint from the standard ``AWS_*`` variables).
         async_save: ``save()`` returns once the state is copied into reused host
             buffers; a background thread writes and commits it.
         retention: which checkpoints to keep: a :class:`Retention`, or any
@@ -88,6 +89,10 @@ class CheckpointManager:
         registration_timeout: how long ``close()`` waits for registrations still
             running or queued; past it their records say ``unfinished``.
         file_ops: the filesystem seam (tests inject faults through it).
+        storage_options: for a URL root, settings over the ``AWS_*`` variables, as fsspec
+            writes them (``key``, ``secret``, ``token``, ``endpoint_url``, ``region_name``,
+            ``client_kwargs``) and transfer settings (``part_size``, ``max_concurrency``,
+            ``max_attempts``, ``connect_timeout``, ``read_timeout``).
         process_group: the ranks that checkpoint together (e.g. one pipeline
             stage); every rank of it, and only those, creates the manager. None:
             every rank of the default group.
@@ -119,6 +124,7 @@ class CheckpointManager:
         verify: bool | None = None,
         direct_io: bool | None = None,
         dcp_io: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         positive_int("queue_depth", queue_depth)
         lock_timeout = positive_seconds("lock_timeout", lock_timeout)
@@ -134,7 +140,7 @@ class CheckpointManager:
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
-        store = open_store(root, ops=file_ops)
+        store = open_store(root, ops=file_ops, options=storage_options)
         self.root = store.where("")
         self.read_only = bool(read_only)
         self.async_save = async_save

@@ -117,9 +117,10 @@ class RootSession:
         try:
             return scan(self.root)
         except OSError as e:
+            cause, remedy = self._store.explain_error(e)
             raise ConfigError(
-                f"{self.root} cannot be read ({type(e).__name__}: {e}); check its permissions, or pass "
-                "a root this user can read.",
+                f"{self.root} cannot be read: {cause} ({type(e).__name__}: {e}). To fix it: {remedy}; "
+                "or pass a root this user can read.",
                 path=str(self.root),
             ) from e
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from .._dcp import io as dcp_io
@@ -10,6 +11,7 @@ from .._dcp import safe_metadata
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
 from .._store.loc import Loc, as_loc, as_root
+from .._store.registry import open_store
 from .._util.gc_pause import collector_paused
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
 from .choose import read_chosen
@@ -19,7 +21,12 @@ from .put_back import ABSENT
 
 @collector_paused()  # thousands of small objects: see safeckpt._util.gc_pause
 @safe_metadata.parsed_kept()  # chosen, verified and read: .metadata parsed once
-def load(root_or_checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | None = None) -> dict[Any, Any]:
+def load(
+    root_or_checkpoint_dir: Loc | str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[Any, Any]:
     """A checkpoint's state as nested dicts, lists and tuples of CPU tensors and plain values.
 
     On a run root: the checkpoint auto-resume would take (or ``step``); on a
@@ -34,7 +41,10 @@ def load(root_or_checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | No
     checkpoint replaced or pruned while it is read is chosen anew. Not
     collective: each caller reads the whole checkpoint. Raises
     :class:`~safeckpt.CheckpointNotFoundError` when there is nothing to load.
+    ``storage_options`` are the settings of a URL root (see ``CheckpointManager``).
     """
+    if storage_options is not None and not isinstance(root_or_checkpoint_dir, Loc):
+        root_or_checkpoint_dir = Loc(open_store(root_or_checkpoint_dir, options=storage_options))
     top = as_root(root_or_checkpoint_dir)
     given: Loc | None = None
     if (top / RECORD_NAME).entry() is not None:

@@ -117,10 +117,15 @@ class RawFileSystemWriter(FileSystemWriter):
         fmt = getattr(self, "serialization_format", None)
         return fmt is None or getattr(fmt, "value", fmt) == "torch_save"
 
+    def _data_stream(self, path: Any) -> Any:
+        """Where a data file's bytes go: a file (``O_DIRECT`` where the filesystem takes it). A store
+        that is not a filesystem gives its own stream (``write``, ``tell``, ``close(fsync=)``)."""
+        return DirectFileWriter(path, direct=self._direct_io)
+
     def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         path = self.fs.concat_path(self.path, file_name)
         results = []
-        with DirectFileWriter(path, direct=self._direct_io) as stream:
+        with self._data_stream(path) as stream:
             archives = _ArchiveWriter()
             checked = _ChecksummedStream(stream)
             # Byte items first, then tensors, as DCP orders them.

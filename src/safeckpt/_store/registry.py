@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,15 @@ def is_store(value: Any) -> bool:
     return hasattr(value, "entries") and hasattr(value, "commit_dir")
 
 
-def open_store(root: str | os.PathLike[str] | Store, *, ops: Any = None) -> Store:
-    """The store of ``root`` (a store is returned as it is); a root no store serves is refused."""
+def open_store(
+    root: str | os.PathLike[str] | Store, *, ops: Any = None, options: Mapping[str, Any] | None = None
+) -> Store:
+    """The store of ``root`` (a store is returned as it is); a root no store serves is refused.
+
+    ``options`` (``storage_options=``) are the settings of a URL's store (credentials, endpoint).
+    The store opened with them is kept for its URL, so a name that travels to another part of the
+    process as its root's URL (a pickled :class:`~safeckpt._store.loc.Loc`) finds the same store.
+    """
     if is_store(root):
         return root  # type: ignore[return-value]
     scheme = scheme_of(root)  # type: ignore[arg-type]
@@ -52,4 +60,21 @@ def open_store(root: str | os.PathLike[str] | Store, *, ops: Any = None) -> Stor
             "local directory.",
             path=os.fspath(root),  # type: ignore[arg-type]
         )
-    return factory(root if scheme != LOCAL else Path(root), ops=ops)  # type: ignore[arg-type]
+    if scheme == LOCAL:
+        if options:
+            raise ConfigError(
+                f"storage_options are for URL roots (s3://...); {root} is a local path and takes none.",
+                path=os.fspath(root),  # type: ignore[arg-type]
+            )
+        return factory(Path(root), ops=ops)  # type: ignore[arg-type]
+    url = os.fspath(root).rstrip("/")  # type: ignore[arg-type]
+    with _opened_lock:
+        if options is None and url in _opened:
+            return _opened[url]
+        store = factory(url, ops=ops, options=options)
+        _opened[store.url] = store
+        return store
+
+
+_opened: dict[str, Store] = {}  # by URL: the last store opened for it (with its options)
+_opened_lock = threading.Lock()

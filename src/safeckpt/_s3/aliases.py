@@ -1,0 +1,145 @@
+"""Directories on S3 without rename: a directory that was committed or moved is an *alias* of the
+*area* (the key prefix) its bytes were written under.
+
+S3 has no rename, and copying a checkpoint's bytes to commit or prune it would
+cost as much as writing them again. So a save's bytes stay where they were
+written (its staging directory, the area), and the name it is committed or
+moved to holds one small *marker* object naming that area in its metadata:
+
+* ``<name>/metadata.json``: the record, the one commit object of a checkpoint,
+  written last with ``If-None-Match: *`` (``If-Match`` when it replaces one);
+* ``<name>/.dir``: a directory without a record (an abandoned save moved to the trash).
+
+Each area that an alias took is *claimed* (``.claims/<area, quoted>`` names the
+alias) before the alias is written, so a listing of the area's parent hides
+it once committed, and a removal of any other alias that still names it (left
+by a move cut short) never deletes its bytes. A claim counts only while the
+alias it names still points at the area: an area whose save was cut before
+the commit, or whose commit was replaced, is shown again, and collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+from .._format.layout import RECORD_NAME
+from .._store.base import join
+from .client import Client, NotFound
+
+AREA = "safeckpt-area"  # the marker's user metadata (x-amz-meta-safeckpt-area): the area's name
+DIR_MARK = ".dir"
+CLAIMS = ".claims"
+MARKERS = (RECORD_NAME, DIR_MARK)
+
+
+@dataclass(frozen=True)
+class Alias:
+    area: str
+    marker: str
+    """``metadata.json`` or ``.dir``: which marker object names the area."""
+    size: int
+    """The marker's size (the record's, for a committed checkpoint)."""
+
+
+class Aliases:
+    """Finding, making and retiring aliases of one root (``key`` maps a name to its object key)."""
+
+    def __init__(self, client: Client, prefix: str) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._known: dict[str, Alias] = {}  # found since: a reader holds a record before its bytes
+
+    def key(self, name: str) -> str:
+        return self._prefix + name
+
+    def find(self, name: str, *, fresh: bool = True) -> Alias | None:
+        """The alias directory ``name`` is, or None for a plain prefix (or nothing)."""
+        if not name:
+            return None
+        if not fresh and name in self._known:
+            return self._known[name]
+        for marker in MARKERS:
+            try:
+                head = self._client.head(self.key(join(name, marker)))
+            except NotFound:
+                continue
+            area = head.metadata.get(AREA)
+            if not area:
+                break  # a record written into a plain directory (a save not committed yet)
+            found = self._known[name] = Alias(area, marker, head.size)
+            return found
+        self._known.pop(name, None)
+        return None
+
+    def learn(self, name: str, alias: Alias | None) -> None:
+        """What a read of ``name``'s marker showed (the record read at the start of a restore)."""
+        if alias is None:
+            self._known.pop(name, None)
+        else:
+            self._known[name] = alias
+
+    def forget(self, name: str) -> None:
+        self._known.pop(name, None)
+
+    # --- where a name's bytes are -------------------------------------------------------------------
+
+    def file_key(self, name: str, *, fresh: bool = True) -> str:
+        """The object key of file ``name``: under the area of the nearest directory on its way that
+        is an alias, the marker itself for an alias's record, else the name as it is."""
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            directory = "/".join(parts[:i])
+            alias = self.find(directory, fresh=fresh)
+            if alias is not None:
+                rest = "/".join(parts[i:])
+                if rest == alias.marker:
+                    return self.key(name)
+                return self.key(join(alias.area, rest))
+        return self.key(name)
+
+    def dir_key(self, name: str, *, fresh: bool = True) -> tuple[str, Alias | None]:
+        """The key prefix (ending in ``/``, or the root's) of directory ``name``, and its alias."""
+        if not name:
+            return self._prefix, None
+        alias = self.find(name, fresh=fresh)
+        if alias is not None:
+            return self.key(alias.area) + "/", alias
+        parent, _, leaf = name.rpartition("/")
+        if parent:
+            base, _ = self.dir_key(parent, fresh=fresh)
+            return base + leaf + "/", None
+        return self.key(name) + "/", None
+
+    # --- claims -----------------------------------------------------------------------------------
+
+    def _claim_key(self, area: str) -> str:
+        return self.key(join(CLAIMS, quote(area, safe="")))
+
+    def claim(self, area: str, alias: str) -> None:
+        self._client.put(self._claim_key(area), alias.encode())
+
+    def owner(self, area: str) -> str | None:
+        """The alias that holds ``area`` now: its claim's, if that alias still points at it."""
+        try:
+            named = self._client.get(self._claim_key(area)).data.decode()
+        except NotFound:
+            return None
+        alias = self.find(named)
+        return named if alias is not None and alias.area == area else None
+
+    def unclaim(self, area: str) -> None:
+        with contextlib.suppress(NotFound):
+            self._client.delete(self._claim_key(area))
+
+    def held_under(self, directory: str) -> set[str]:
+        """The areas directly under ``directory`` that an alias holds (hidden from its listing)."""
+        start = quote(directory + "/", safe="") if directory else ""
+        objects, _ = self._client.list(self.key(f"{CLAIMS}/{start}"), delimiter=None)
+        held = set()
+        for key, _size in objects:
+            area = unquote(key.rpartition("/")[2])
+            if area.rpartition("/")[0] == directory and self.owner(area) is not None:
+                held.add(area)
+        return held

@@ -1,0 +1,247 @@
+"""DCP's storage for a checkpoint directory on S3: the same files as on disk, every byte checked.
+
+Writing: DCP's writers (safeckpt's raw one, or DCP's own with ``dcp_io="torch"``)
+on a :class:`S3FileSystem`, whose streams are multipart uploads, each part
+sent with its CRC32; the raw writer checksums every item as it goes out, as on
+disk. ``.metadata`` is written whole by DCP's ``finish``.
+
+Reading: :class:`S3DcpReader` fetches each file's wanted ranges with
+parallel ranged GETs, checks every CRC32 segment it covers against the record's
+checksums before a byte reaches the state, and hands the items to DCP's planner
+as DCP's own reader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from .._format.checksums import FileChecksum, corrupt, crc32
+from .._storage.placement import narrow
+from .._storage.writer import RawFileSystemWriter
+from .client import NotFound
+from .transfer import RangeFile, RangeReader, pool
+
+_GAP = 1 << 20  # ranges closer than this are read as one GET
+
+
+class S3FileSystem(FileSystemBase):
+    """DCP's file operations on one bucket; DCP's paths are object keys."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        key = str(path)
+        if mode == "wb":
+            stream = self.store.upload(key)
+            try:
+                yield stream
+            except BaseException:
+                stream.abort()
+                raise
+            stream.close()
+        elif mode == "rb":
+            settings = self.store.settings
+            reader = RangeReader(
+                self.store.client, key, part_size=settings.part_size, concurrency=settings.max_concurrency
+            )
+            yield io.BufferedReader(RangeFile(reader), buffer_size=1 << 20)
+        else:
+            raise ValueError(f"unsupported mode {mode!r}")
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return f"{path}/{suffix}"
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        got = self.store.client.get(str(path))
+        self.store.client.put(str(new_path), got.data)
+        self.store.client.delete(str(path))
+
+    def init_path(self, path: Any) -> str:
+        return str(path)
+
+    def mkdir(self, path: Any) -> None:
+        pass  # prefixes need no making
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # chosen by the store, never from a checkpoint id
+
+    def exists(self, path: Any) -> bool:
+        try:
+            self.store.client.head(str(path))
+        except NotFound:
+            return False
+        return True
+
+    def rm_file(self, path: Any) -> None:
+        self.store.client.delete(str(path))
+
+
+class _RawWriter(RawFileSystemWriter):
+    def __init__(self, store: Any, base: str) -> None:
+        # sync_files off: an object is durable once its upload completes (no fsync, no os.sync()).
+        super().__init__(base, direct_io=False, sync_files=False, single_file_per_rank=True, thread_count=1)
+        self.fs = S3FileSystem(store)
+        self.path = base
+
+    def _data_stream(self, path: Any) -> Any:
+        return self.fs.store.upload(str(path))
+
+
+class _TorchWriter(FileSystemWriter):
+    def __init__(self, store: Any, base: str) -> None:
+        super().__init__(base, sync_files=False, single_file_per_rank=True, thread_count=1)
+        self.fs = S3FileSystem(store)
+        self.path = base
+
+
+def writer(store: Any, base: str, *, dcp_own: bool) -> Any:
+    """DCP's storage writer for the directory at key prefix ``base``."""
+    return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base)
+
+
+class S3DcpReader(FileSystemReader):
+    """Every item checked against ``checksums`` (None: not checked); ``.metadata`` from ``metadata()``."""
+
+    def __init__(
+        self,
+        store: Any,
+        base: str,
+        *,
+        checksums: Mapping[str, FileChecksum] | None,
+        step: int | None,
+        metadata: Callable[[], dcp_metadata.Metadata],
+        directory: str | None = None,
+    ) -> None:
+        super().__init__(base)
+        self.fs = S3FileSystem(store)
+        self.path = base
+        self._store = store
+        self._checksums = checksums
+        self._step = step
+        self._metadata = metadata
+        self._shown = str(store.where(directory)) if directory is not None else base
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        metadata = self._metadata()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            self._read_file(name, items, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        key = f"{self.path}/{name}"
+        shown = f"{self._shown}/{name}"  # how errors name the file: as the user names the checkpoint
+        checksum = None if self._checksums is None else self._checksums.get(name)
+        spans = []  # (start, end) of each item, widened to the checksum segments it touches
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            start, end = info.offset, info.offset + info.length
+            if checksum is not None:
+                start, end = _segments_cover(checksum, start, end, shown, self._step)
+            spans.append((start, end))
+        chunks = _fetch(self._store, key, _merged(spans))
+        for item, (start, end) in zip(items, spans, strict=True):
+            data = _slice(chunks, start, end)
+            if checksum is not None:
+                _verify(checksum, start, data, shown, self._step)
+            info = self.storage_data[item.storage_index]
+            view = data[info.offset - start : info.offset - start + info.length]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(view))
+                continue
+            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+            tensor = narrow(tensor, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(
+                    f"{item.storage_index}: sizes {target.size()} and {tensor.size()} differ"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+
+
+def _segments_cover(
+    checksum: FileChecksum, start: int, end: int, key: str, step: int | None
+) -> tuple[int, int]:
+    """``[start, end)`` widened to whole checksum segments; a range no segment covers is damage."""
+    lo, hi = None, None
+    for segment in checksum.segments:
+        s_end = segment.offset + segment.length
+        if s_end > start and segment.offset < end:
+            lo = segment.offset if lo is None else min(lo, segment.offset)
+            hi = s_end if hi is None else max(hi, s_end)
+    if lo is None or hi is None or lo > start or hi < end:
+        raise corrupt(key, start, step=step)
+    return lo, hi
+
+
+def _verify(checksum: FileChecksum, start: int, data: bytes, key: str, step: int | None) -> None:
+    end = start + len(data)
+    for segment in checksum.segments:
+        if segment.offset >= start and segment.offset + segment.length <= end:
+            part = memoryview(data)[segment.offset - start : segment.offset - start + segment.length]
+            if crc32(part) != segment.crc:
+                raise corrupt(key, segment.offset, step=step)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1] + _GAP:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _fetch(store: Any, key: str, spans: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
+    """The bytes of each span, in ranged GETs of at most one part, all in parallel."""
+    settings = store.settings
+    reader = RangeReader(
+        store.client, key, part_size=settings.part_size, concurrency=settings.max_concurrency
+    )
+    workers = pool(settings.max_concurrency)
+    pieces = [
+        [
+            workers.submit(reader.piece, s, min(settings.part_size, end - s))
+            for s in range(start, end, settings.part_size)
+        ]
+        for start, end in spans
+    ]
+    out = []
+    for (start, end), futures in zip(spans, pieces, strict=True):
+        data = b"".join(f.result() for f in futures)
+        if len(data) != end - start:
+            raise EOFError(f"{key} is shorter than its metadata says")
+        out.append((start, data))
+    return out
+
+
+def _slice(chunks: list[tuple[int, bytes]], start: int, end: int) -> bytes:
+    for chunk_start, data in chunks:
+        if chunk_start <= start and end <= chunk_start + len(data):
+            return data[start - chunk_start : end - chunk_start]
+    raise AssertionError("a span outside the ranges read")

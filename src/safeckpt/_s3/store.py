@@ -1,0 +1,341 @@
+"""A checkpoint root under an ``s3://bucket/prefix`` URL: the :class:`~safeckpt._store.Store` on S3.
+
+What each operation of the seam becomes (see :mod:`safeckpt._store.base` for
+the contract, and :mod:`.aliases` for how directories live without rename):
+
+* ``commit_dir``: the area's claim, then the record as the commit object,
+  ``If-None-Match: *`` (``If-Match`` on the old record's ETag when it replaces
+  one, whose area then moves to ``retired``). No instant without a complete
+  checkpoint at ``final``: the one PUT is the commit.
+* ``move`` of a directory: its marker written at the new name, the claim moved,
+  the old marker deleted; of a file: copied, then deleted.
+* ``write_atomic``/``write_new``: one PUT (S3 replaces an object whole); a
+  record of a committed checkpoint keeps its area in the rewritten marker.
+* ``write_pointer``: ``latest``, with ``If-Match`` on the ETag this store last
+  read or wrote, so a second writer's move is an error, never silently undone.
+* ``remove``: the area's objects in batches of 1,000 (and any unfinished
+  multipart upload under it), only when no other alias holds the area.
+* ``lock``: a lease renewed with conditional writes (:mod:`.lease`).
+* ``sync``, ``make_dir``: nothing to do; an object is durable once its PUT
+  returns, and prefixes need no making.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._format.layout import RECORD_NAME
+from .._store.base import DIR, FILE, Entry, join, leaf
+from ..errors import IncompleteCheckpointError
+from .aliases import AREA, CLAIMS, DIR_MARK, Alias, Aliases
+from .client import Client, NotFound, PreconditionFailed
+from .errors import explain_error
+from .lease import LeaseLock
+from .location import Location, Settings, parse_url, settings
+from .transfer import RangeReader, UploadStream
+
+LOCK_NAME = ".lock"
+_POINTER_LIMIT = 4096
+
+
+class S3Store:
+    """A root under an ``s3://`` URL (see the module docstring)."""
+
+    def __init__(self, root: str, ops: Any = None, options: Mapping[str, Any] | None = None) -> None:
+        del ops  # FileOps is the local store's fault seam; S3's faults come from the server
+        self.location: Location = parse_url(str(root))
+        self.settings: Settings = settings(options)
+        self.url = self.location.url
+        self.client = Client(self.location, self.settings)
+        self.aliases = Aliases(self.client, self.location.prefix)
+        self._pointers: dict[str, str | None] = {}  # ETag of each pointer as last read or written
+        self._guard = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
+    def where(self, name: str = "") -> str:
+        _check(name)
+        return f"{self.url}/{name}" if name else self.url
+
+    # --- names ---------------------------------------------------------------
+
+    def entries(self, name: str = "") -> list[Entry]:
+        _check(name)
+        base, alias = self.aliases.dir_key(name)
+        objects, prefixes = self.client.list(base)
+        out: dict[str, Entry] = {}
+        for key, size in objects:
+            entry_name = key[len(base) :]
+            out[entry_name] = Entry(entry_name, FILE, size)
+        hidden = {CLAIMS} if not name else set()
+        if alias is None:
+            hidden |= {leaf(a) for a in self.aliases.held_under(name)}
+        for upload_key, _ in self.client.uploads(base):
+            first = upload_key[len(base) :].split("/")[0]
+            if "/" in upload_key[len(base) :]:
+                prefixes.append(base + first + "/")
+        for prefix in prefixes:
+            entry_name = prefix[len(base) :].rstrip("/")
+            if entry_name not in hidden:
+                out[entry_name] = Entry(entry_name, DIR)
+        if alias is not None and alias.marker in out:
+            out[alias.marker] = Entry(alias.marker, FILE, alias.size)  # the commit object's size
+        out.pop(DIR_MARK, None)
+        return sorted(out.values(), key=lambda e: e.name)
+
+    def entry(self, name: str) -> Entry | None:
+        _check(name)
+        if not name:
+            return Entry("", DIR)
+        try:
+            return Entry(leaf(name), FILE, self.client.head(self.aliases.file_key(name)).size)
+        except NotFound:
+            pass
+        base, alias = self.aliases.dir_key(name)
+        if alias is not None or self._holds_anything(base):
+            return Entry(leaf(name), DIR)
+        return None
+
+    def _holds_anything(self, base: str) -> bool:
+        """An object, or an unfinished upload (a save cut short leaves one), under ``base``."""
+        return self.client.list(base, delimiter="/", limit=1) != ([], []) or bool(self.client.uploads(base))
+
+    def make_dir(self, name: str) -> None:
+        _check(name)  # a prefix needs no making
+
+    def move(self, src: str, dst: str) -> None:
+        _check(src)
+        _check(dst)
+        alias = self.aliases.find(src)
+        if alias is not None:
+            self._move_alias(src, dst, alias)
+            return
+        try:
+            got = self.client.get(self.aliases.file_key(src))
+        except NotFound:
+            got = None
+        if got is not None:
+            self.client.put(self.aliases.file_key(dst), got.data, metadata=got.metadata)
+            self.client.delete(self.aliases.file_key(src))
+            self._pointers.pop(src, None)
+            self._pointers.pop(dst, None)
+            return
+        base, _ = self.aliases.dir_key(src)
+        if not self._holds_anything(base):
+            raise NotFound(2, "nothing to move", self.where(src))
+        # A plain directory (the area of a save) becomes an alias at dst, its bytes where they are.
+        self.aliases.claim(src, dst)
+        self.client.put_new(self.aliases.key(join(dst, DIR_MARK)), b"", metadata={AREA: src})
+        self.aliases.learn(dst, Alias(src, DIR_MARK, 0))
+
+    def _move_alias(self, src: str, dst: str, alias: Alias) -> None:
+        marker = self.aliases.key(join(src, alias.marker))
+        got = self.client.get(marker)
+        self.aliases.claim(alias.area, dst)  # first: from now on only dst may remove the area
+        self.client.put_new(self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
+        self.client.delete(marker)  # the instant src leaves every listing
+        self.aliases.forget(src)
+        self.aliases.learn(dst, alias)
+
+    def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
+        """The record of ``staged`` becomes ``final``'s commit object (see the module docstring).
+        ``displaced`` is not used: the replacement of a record is one conditional PUT."""
+        _check(staged)
+        _check(final)
+        del displaced
+        record = self.client.get(self.aliases.key(join(staged, RECORD_NAME)))
+        metadata = {AREA: staged}
+        commit_key = self.aliases.key(join(final, RECORD_NAME))
+        self.aliases.claim(staged, final)
+        existed, replaced = False, None
+        try:
+            self.client.put_new(commit_key, record.data, metadata=metadata)
+        except PreconditionFailed:
+            existed, replaced = True, self.aliases.find(final)
+            etag = self.client.head(commit_key).etag
+            self.client.put_over(commit_key, record.data, etag, metadata=metadata)
+        self.aliases.learn(final, Alias(staged, RECORD_NAME, len(record.data)))
+        if replaced is not None:
+            # The old bytes go to the trash; cut short here, they show as a leftover and are collected.
+            self.aliases.claim(replaced.area, retired)
+            self.client.put_new(
+                self.aliases.key(join(retired, DIR_MARK)), b"", metadata={AREA: replaced.area}
+            )
+        return existed
+
+    def remove(self, name: str) -> None:
+        _check(name)
+        alias = self.aliases.find(name)
+        if alias is not None:
+            owner = self.aliases.owner(alias.area)
+            if owner in (None, name):
+                self._delete_under(self.aliases.key(alias.area) + "/")
+                self.aliases.unclaim(alias.area)
+            self._delete_under(self.aliases.key(name) + "/")
+            self.aliases.forget(name)
+            return
+        key = self.aliases.file_key(name)
+        try:
+            self.client.head(key)
+        except NotFound:
+            pass
+        else:
+            self.client.delete(key)
+            return
+        if self.aliases.owner(name) is not None:
+            raise PreconditionFailed(self.where(name))  # committed bytes: never removed by their area's name
+        if not self._delete_under(key + "/"):
+            raise NotFound(2, "no such file or directory", self.where(name))
+        self.aliases.unclaim(name)
+
+    def _delete_under(self, prefix: str) -> bool:
+        """Every object and unfinished upload under ``prefix``; whether there was any."""
+        objects, _ = self.client.list(prefix, delimiter=None)
+        uploads = self.client.uploads(prefix)
+        for key, upload_id in uploads:
+            self.client.abort_upload(key, upload_id)
+        self.client.delete_many(key for key, _ in objects)
+        return bool(objects or uploads)
+
+    def sync(self, name: str = "") -> None:
+        _check(name)  # a PUT is durable once it returns
+
+    # --- files -----------------------------------------------------------------
+
+    def read_small(self, name: str, *, limit: int, what: str) -> bytes:
+        _check(name)
+        try:
+            got = self.client.get(self.aliases.key(name))  # a plain file, or a commit object itself
+        except NotFound:
+            got = self.client.get(self.aliases.file_key(name))  # a file inside an alias's area
+        else:
+            parent, _, marker = name.rpartition("/")
+            if AREA in got.metadata and parent:  # a restore reads the record first: its area, fresh
+                self.aliases.learn(parent, Alias(got.metadata[AREA], marker, got.size))
+        if got.size > limit:
+            raise IncompleteCheckpointError(
+                f"{self.where(name)} has {got.size} bytes, more than any {what} has ({limit}); it is "
+                "damaged or not safeckpt's. Restore another checkpoint.",
+                path=self.where(name),
+            )
+        return got.data
+
+    def open_read(self, name: str) -> RangeReader:
+        _check(name)
+        return RangeReader(
+            self.client,
+            self.aliases.file_key(name, fresh=False),
+            part_size=self.settings.part_size,
+            concurrency=self.settings.max_concurrency,
+        )
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        _check(name)
+        parent, _, file_name = name.rpartition("/")
+        alias = self.aliases.find(parent) if parent else None
+        if alias is not None and alias.marker == file_name:
+            # A record rewritten (a pin): the commit object keeps naming its area.
+            self.client.put(self.aliases.key(name), data, metadata={AREA: alias.area})
+            self.aliases.learn(parent, Alias(alias.area, alias.marker, len(data)))
+            return
+        self.client.put(self.aliases.file_key(name), data)
+
+    def write_new(self, name: str, data: bytes) -> None:
+        self.write_atomic(name, data)
+
+    def open_write(self, name: str) -> UploadStream:
+        _check(name)
+        return self.upload(self.aliases.file_key(name))
+
+    def upload(self, key: str) -> UploadStream:
+        return UploadStream(
+            self.client, key, part_size=self.settings.part_size, concurrency=self.settings.max_concurrency
+        )
+
+    def read_pointer(self, name: str) -> str | None:
+        _check(name)
+        try:
+            got = self.client.get(self.aliases.key(name))
+        except NotFound:
+            self._pointers[name] = None
+            return None
+        self._pointers[name] = got.etag
+        if got.size > _POINTER_LIMIT:
+            return None
+        try:
+            return got.data.decode("utf-8").strip() or None
+        except UnicodeDecodeError:
+            return None
+
+    def write_pointer(self, name: str, target: str) -> None:
+        _check(name)
+        with self._guard:
+            if name not in self._pointers:
+                self.read_pointer(name)
+            etag = self._pointers.get(name)
+            key, data = self.aliases.key(name), target.encode()
+            try:
+                if etag is None:
+                    self._pointers[name] = self.client.put_new(key, data)
+                else:
+                    self._pointers[name] = self.client.put_over(key, data, etag)
+            except PreconditionFailed:
+                self._pointers.pop(name, None)  # read again before the next move
+                raise
+
+    # --- checkpoints' bytes (DCP) ------------------------------------------------
+
+    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any:
+        from .dcp import writer
+
+        del direct_io
+        base, _ = self.aliases.dir_key(directory)
+        return writer(self, base.rstrip("/"), dcp_own=dcp_own)
+
+    def dcp_reader(
+        self,
+        directory: str,
+        *,
+        checksums: Mapping[str, Any] | None,
+        step: int | None,
+        direct_io: bool,
+        dcp_own: bool,
+        metadata: Callable[[], Any],
+    ) -> Any:
+        from .dcp import S3DcpReader
+
+        del direct_io, dcp_own  # one reader: ranged GETs, every item checked
+        base, _ = self.aliases.dir_key(directory, fresh=False)
+        return S3DcpReader(
+            self, base.rstrip("/"), checksums=checksums, step=step, metadata=metadata, directory=directory
+        )
+
+    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+        return _nothing  # reads are ranged GETs in parallel already; no page cache to warm
+
+    # --- the root as a whole -------------------------------------------------------
+
+    def lock(self, *, timeout: float) -> LeaseLock:
+        return LeaseLock(self.client, self.aliases.key(LOCK_NAME), url=self.where(LOCK_NAME), timeout=timeout)
+
+    def free_space(self) -> int | None:
+        return None  # a bucket has no free space to tell
+
+    def explain_error(self, error: OSError) -> tuple[str, str]:
+        return explain_error(self.location, error)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _check(name: str) -> None:
+    if name and (name.startswith("/") or any(p in ("", ".", "..") for p in name.split("/"))):
+        raise ValueError(f"not a name inside a root: {name!r}")

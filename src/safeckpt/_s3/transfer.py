@@ -1,0 +1,213 @@
+"""Moving one object's bytes: parallel multipart uploads and parallel ranged reads.
+
+An upload is written as a stream (``write``/``tell``, as DCP's writers write a
+file) and goes out in parts of ``part_size`` bytes, ``max_concurrency`` at a
+time, each with its CRC32; memory is bounded by the parts in flight. An object
+smaller than one part is one PUT. An upload that fails or is abandoned is
+aborted, so no unfinished upload is left behind by this process (one left by a
+killed process is collected by the next writer, see :mod:`.store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .client import Client, NotFound
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool per size, shared by uploads and reads (threads start on first use).
+
+    A task run here never waits for another task of the pool (that could take every thread)."""
+    with _pools_lock:
+        found = _pools.get(workers)
+        if found is None:
+            found = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="safeckpt-s3")
+        return found
+
+
+class UploadStream(io.RawIOBase):
+    """A new object written in order; it exists, whole, once :meth:`close` returns (a context manager)."""
+
+    def __init__(
+        self,
+        client: Client,
+        key: str,
+        *,
+        part_size: int,
+        concurrency: int,
+        on_done: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._client = client
+        self._key = key
+        self._part_size = part_size
+        self._concurrency = concurrency
+        self._buffer = bytearray()
+        self._position = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._finished = False
+        self._on_done = on_done
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        self._position += len(view)
+        while len(self._buffer) >= self._part_size:
+            part = bytes(self._buffer[: self._part_size])
+            del self._buffer[: self._part_size]
+            self._send(part)
+        return len(view)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._client.start_upload(self._key)
+        # Bounded memory: wait for the oldest part when as many as the concurrency are in flight.
+        in_flight = [f for f in self._parts if not f.done()]
+        if len(in_flight) >= self._concurrency:
+            in_flight[0].result()
+        number = len(self._parts) + 1
+        upload_id = self._upload_id
+        self._parts.append(
+            pool(self._concurrency).submit(self._client.upload_part, self._key, upload_id, number, part)
+        )
+
+    def close(self, fsync: bool = True) -> None:
+        if self._finished or self.closed:
+            super().close()
+            return
+        self._finished = True
+        try:
+            if self._upload_id is None:
+                self._client.put(self._key, bytes(self._buffer))
+            else:
+                if self._buffer:
+                    self._send(bytes(self._buffer))
+                parts = [f.result() for f in self._parts]
+                self._client.finish_upload(self._key, self._upload_id, parts)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._buffer = bytearray()
+            super().close()
+        if self._on_done is not None:
+            self._on_done(self._key)
+
+    def abort(self) -> None:
+        """Give the upload up: nothing of it stays on the server."""
+        self._finished = True
+        for part in self._parts:
+            part.cancel()
+        for part in self._parts:
+            if not part.cancelled():
+                with contextlib.suppress(BaseException):
+                    part.result()
+        if self._upload_id is not None:
+            with contextlib.suppress(OSError):  # else left for the collector of unfinished uploads
+                self._client.abort_upload(self._key, self._upload_id)
+        self._buffer = bytearray()
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+            super().close()
+
+
+class RangeReader:
+    """An object opened for reading: its size when opened, and reads of any range (a ReadHandle).
+
+    Reads of more than one part go out as parallel ranged GETs. Every read checks
+    that the object is still the one opened (``If-Match`` would cost the same
+    request; the ETag of each reply is compared instead).
+    """
+
+    def __init__(self, client: Client, key: str, *, part_size: int, concurrency: int) -> None:
+        head = client.head(key)
+        self._client = client
+        self._key = key
+        self.size = head.size
+        self.etag = head.etag
+        self._part_size = part_size
+        self._concurrency = concurrency
+
+    def read(self, offset: int, length: int) -> bytes:
+        length = max(0, min(length, self.size - offset))
+        if length == 0:
+            return b""
+        if length <= self._part_size:
+            return self.piece(offset, length)
+        starts = range(offset, offset + length, self._part_size)
+        spans = [(s, min(self._part_size, offset + length - s)) for s in starts]
+        futures = [pool(self._concurrency).submit(self.piece, s, n) for s, n in spans]
+        return b"".join(f.result() for f in futures)
+
+    def piece(self, offset: int, length: int) -> bytes:
+        """One ranged GET (never from a pool thread's nested wait: see :func:`pool`)."""
+        got = self._client.get(self._key, start=offset, length=length)
+        if got.etag != self.etag:
+            raise NotFound(2, "the object was replaced while it was read", self._key)
+        return got.data
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class RangeFile(io.RawIOBase):
+    """A :class:`RangeReader` as a seekable file (what DCP's own reader and ``torch.load`` read)."""
+
+    def __init__(self, reader: RangeReader) -> None:
+        super().__init__()
+        self._reader = reader
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._reader.size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._reader.read(self._position, len(view))
+        view[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._reader.size - self._position
+        data = self._reader.read(self._position, size)
+        self._position += len(data)
+        return data

@@ -1,0 +1,348 @@
+"""``s3://`` roots against a real S3 server (moto, over HTTP): the same API and guarantees as a
+local root, through the storage seam (``safeckpt._s3``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import safeckpt
+from safeckpt._s3.aliases import AREA, CLAIMS
+from safeckpt._s3.client import PreconditionFailed
+from safeckpt._s3.lease import LeaseLock
+from safeckpt._store.registry import open_store
+from safeckpt.errors import CheckpointError, ConfigError, LockTimeoutError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _keys_under(bucket, prefix: str) -> list[str]:  # type: ignore[no-untyped-def]
+    listed = bucket.keys()  # every key of the bucket (S3Bucket.keys lists them)
+    return sorted(k for k in listed if k.startswith(prefix))
+
+
+# --- the API on a URL -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_prune_and_restore_bit_exact_on_a_prefix(s3_bucket, async_save: bool) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("team/run1")
+    model, optim = _model()
+    with safeckpt.CheckpointManager(
+        root, async_save=async_save, retention=safeckpt.Retention(keep_last=2)
+    ) as mgr:
+        for step in (10, 20, 30):
+            model[0].weight.data += 1
+            mgr.save(step, {"model": model, "optim": optim, "extra": {"step": step, "ids": [1, 2]}})
+    keys = _keys_under(s3_bucket, "team/run1/")
+    assert "team/run1/step_30/metadata.json" in keys and "team/run1/step_20/metadata.json" in keys
+    assert not any("step_10" in k for k in keys), keys  # pruned: its marker, area and claim are gone
+    assert not any(k.startswith("team/run1/.trash/") for k in keys)
+    assert not [
+        k for k in _keys_under(s3_bucket, "") if not k.startswith("team/run1/")
+    ]  # nothing outside the prefix
+
+    fresh, fresh_optim = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), None
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    state = {"model": fresh, "optim": fresh_optim, "extra": {"step": 0, "ids": []}}
+    with safeckpt.CheckpointManager(root) as mgr:
+        restored = mgr.restore(state)
+    assert restored.step == 30 and state["extra"] == {"step": 30, "ids": [1, 2]}
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        optim.state_dict()["state"][0]["exp_avg"], fresh_optim.state_dict()["state"][0]["exp_avg"]
+    )
+    loaded = safeckpt.load(root, step=20)
+    assert loaded["extra"]["step"] == 20
+
+
+def test_storage_options_as_fsspec_writes_them(s3_bucket, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # wrong: storage_options win
+    options = {"key": s3_bucket.access_key, "secret": s3_bucket.secret_key, "region_name": s3_bucket.region}
+    options["client_kwargs"] = {"endpoint_url": s3_bucket.endpoint_url}
+    root = s3_bucket.url("opts")
+    with safeckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+        mgr.save(1, {"w": torch.arange(5.0)})
+    assert torch.equal(safeckpt.load(root, storage_options=options)["w"], torch.arange(5.0))
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"nonsense": 1}, "has no setting 'nonsense'"),
+        ({"part_size": 1024}, "at least"),
+        ({"client_kwargs": {"verify": False}}, "takes endpoint_url and region_name"),
+        ({"max_attempts": 0}, "positive int"),
+    ],
+)
+def test_bad_storage_options_are_a_config_error(s3_bucket, options: dict, words: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    with pytest.raises(ConfigError, match=words):
+        safeckpt.CheckpointManager(s3_bucket.url("x"), storage_options=options)
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://Bad_Bucket/x", "s3://b/x", "s3://bucket/a/../b"])
+def test_a_malformed_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError):
+        safeckpt.CheckpointManager(url)
+
+
+def test_storage_options_on_a_local_path_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="local path"):
+        safeckpt.CheckpointManager(tmp_path / "run", storage_options={"key": "k"})
+
+
+def test_an_unreachable_server_is_a_checkpoint_error_that_says_where(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    options = {"endpoint_url": "http://127.0.0.1:1", "max_attempts": 2}
+    with pytest.raises(CheckpointError, match="could not be reached") as info:
+        safeckpt.CheckpointManager(s3_bucket.url("gone"), storage_options=options)
+    assert "AWS_ENDPOINT_URL" in str(info.value)
+
+
+def test_a_missing_bucket_is_named(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CheckpointError, match="does not exist"):
+        safeckpt.CheckpointManager(f"s3://{s3_bucket.name}-missing/run")
+
+
+# --- the commit protocol ----------------------------------------------------------------------------
+
+
+def test_the_record_is_the_commit_object_and_names_the_area_its_bytes_are_in(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("p")
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(5, {"w": torch.ones(3)})
+    client = s3_bucket.client()
+    commit = client.get_object(Bucket=s3_bucket.name, Key="p/step_5/metadata.json")
+    area = commit["Metadata"][AREA]
+    assert area.startswith(".staging/step_5.")
+    record = json.loads(commit["Body"].read())
+    assert record["step"] == 5 and record["status"] == "committed"
+    data_keys = _keys_under(s3_bucket, f"p/{area}/")
+    assert {k.rsplit("/", 1)[1] for k in data_keys} >= set(record["files"])
+    # The only object under step_5/ is the commit object: a LIST proves nothing about completeness.
+    assert _keys_under(s3_bucket, "p/step_5/") == ["p/step_5/metadata.json"]
+    assert client.get_object(Bucket=s3_bucket.name, Key="p/latest")["Body"].read() == b"step_5"
+
+
+def test_a_commit_never_overwrites_a_commit_object_it_did_not_read(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(s3_bucket.url("c"))
+    for area in ("a1", "a2"):
+        store.write_atomic(f".staging/{area}/metadata.json", json.dumps({"area": area}).encode())
+        store.write_atomic(f".staging/{area}/data", area.encode())
+    assert store.commit_dir(".staging/a1", "step_1", displaced="unused", retired=".trash/r1") is False
+    # Someone else's commit object at step_2: If-None-Match refuses to write over it.
+    s3_bucket.client().put_object(Bucket=s3_bucket.name, Key="c/step_2/metadata.json", Body=b"theirs")
+    real_put_new = store.client.put_new
+    conflicts = []
+
+    def put_new(key, data, *, metadata=None):  # type: ignore[no-untyped-def]
+        try:
+            return real_put_new(key, data, metadata=metadata)
+        except PreconditionFailed:
+            conflicts.append(key)
+            raise
+
+    store.client.put_new = put_new  # type: ignore[method-assign]
+    assert store.commit_dir(".staging/a2", "step_2", displaced="unused", retired=".trash/r2") is True
+    assert conflicts == ["c/step_2/metadata.json"]  # the conditional PUT saw it ...
+    # ... and the replacement went through If-Match on the ETag read (a record with no area: no retiring).
+    assert store.read_small("step_2/data", limit=100, what="x") == b"a2"
+    assert store.read_small("step_1/data", limit=100, what="x") == b"a1"
+
+
+def test_replacing_a_commit_retires_the_old_bytes_to_the_trash(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(s3_bucket.url("r"))
+    for area in ("old", "new"):
+        store.write_atomic(f".staging/{area}/metadata.json", b"{}")
+        store.write_atomic(f".staging/{area}/f", area.encode())
+    store.commit_dir(".staging/old", "step_3", displaced="unused", retired=".trash/step_3.r")
+    assert [e.name for e in store.entries(".staging")] == ["new"]  # old is committed: hidden
+    assert store.commit_dir(".staging/new", "step_3", displaced="unused", retired=".trash/step_3.r") is True
+    assert store.read_small("step_3/f", limit=10, what="x") == b"new"
+    assert store.read_small(".trash/step_3.r/f", limit=10, what="x") == b"old"
+    assert [e.name for e in store.entries(".staging")] == []
+    store.remove(".trash/step_3.r")
+    assert (
+        not _keys_under(s3_bucket, "r/.staging/old/")
+        and store.read_small("step_3/f", limit=10, what="x") == b"new"
+    )
+
+
+def test_a_removal_of_a_stale_alias_never_deletes_bytes_another_alias_holds(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(s3_bucket.url("m"))
+    store.write_atomic(".staging/a/metadata.json", b"{}")
+    store.write_atomic(".staging/a/f", b"bytes")
+    store.commit_dir(".staging/a", "step_1", displaced="unused", retired="unused2")
+    # A move cut short after the new marker was written leaves two aliases; the claim names one.
+    client = s3_bucket.client()
+    marker = client.get_object(Bucket=s3_bucket.name, Key="m/step_1/metadata.json")
+    client.put_object(
+        Bucket=s3_bucket.name, Key="m/.trash/x/metadata.json", Body=b"{}", Metadata=marker["Metadata"]
+    )
+    store.remove(".trash/x")  # not the claim's alias: only its marker goes
+    assert store.read_small("step_1/f", limit=10, what="x") == b"bytes"
+    with pytest.raises(OSError):  # the area by its own name: committed bytes, refused
+        store.remove(".staging/a")
+    assert store.read_small("step_1/f", limit=10, what="x") == b"bytes"
+
+
+def test_a_save_cut_before_its_commit_is_collected_with_its_unfinished_uploads(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("left")
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    client = s3_bucket.client()
+    # What a writer killed mid-save leaves: data objects without a commit, and an upload never completed.
+    client.put_object(
+        Bucket=s3_bucket.name, Key="left/.staging/step_2.0123456789ab/__0_0.distcp", Body=b"x" * 10
+    )
+    upload = client.create_multipart_upload(
+        Bucket=s3_bucket.name, Key="left/.staging/step_3.0123456789ab/__0_0.distcp"
+    )
+    client.upload_part(
+        Bucket=s3_bucket.name, Key=upload["Key"], UploadId=upload["UploadId"], PartNumber=1, Body=b"y" * 10
+    )
+    with safeckpt.CheckpointManager(root) as mgr:  # the next writer takes the root: collects both
+        assert mgr.restore({"w": torch.zeros(2)}).step == 1
+        mgr.flush()
+    assert not _keys_under(s3_bucket, "left/.staging/step_2.")
+    assert not client.list_multipart_uploads(Bucket=s3_bucket.name).get("Uploads")
+    assert not _keys_under(s3_bucket, "left/.trash/")
+
+
+def test_latest_moved_by_someone_else_is_not_silently_undone(
+    s3_bucket, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("ptr")
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        s3_bucket.client().put_object(Bucket=s3_bucket.name, Key="ptr/latest", Body=b"step_0")
+        with caplog.at_level(logging.WARNING):
+            mgr.save(2, {"w": torch.ones(2)})  # committed; the If-Match on `latest` loses
+        assert "moving `latest` to it failed" in caplog.text
+    assert safeckpt.load(root)["w"].sum() == 2  # resume takes the newest commit, whatever latest says
+
+
+def test_a_flipped_byte_on_the_server_is_caught_and_resume_falls_back(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("flip")
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.full((64,), 1.0)})
+        mgr.save(2, {"w": torch.full((64,), 2.0)})
+    client = s3_bucket.client()
+    key = next(k for k in _keys_under(s3_bucket, "") if "step_2." in k and k.endswith(".distcp"))
+    data = bytearray(client.get_object(Bucket=s3_bucket.name, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0x01
+    client.put_object(Bucket=s3_bucket.name, Key=key, Body=bytes(data))
+    target = {"w": torch.zeros(64)}
+    with safeckpt.CheckpointManager(root) as mgr:
+        assert mgr.restore(target).step == 1
+    assert torch.equal(target["w"], torch.full((64,), 1.0))
+
+
+def test_large_files_go_up_in_parallel_parts_and_come_back_in_ranges(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    options = {"part_size": 5 << 20, "max_concurrency": 4}
+    root = s3_bucket.url("big")
+    big = torch.randn(4 << 20)  # 16 MiB: four parts
+    with safeckpt.CheckpointManager(root, async_save=True, storage_options=options) as mgr:
+        mgr.save(1, {"w": big})
+    key = next(k for k in _keys_under(s3_bucket, "") if k.endswith("__0_0.distcp"))
+    head = s3_bucket.client().head_object(Bucket=s3_bucket.name, Key=key)
+    assert head["ETag"].strip('"').endswith("-4")  # a multipart upload of 4 parts
+    assert torch.equal(safeckpt.load(root, storage_options=options)["w"], big)
+
+
+# --- the lock ------------------------------------------------------------------------------------------
+
+
+def test_the_lease_excludes_another_holder_and_frees_itself_when_its_holder_dies(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(s3_bucket.url("lock"))
+    key = store.aliases.key(".lock")
+    first = LeaseLock(store.client, key, url="first", timeout=0.5, lease=1.5)
+    with first:
+        with first:  # reentrant
+            pass
+        # Another process: its own lease state (another registry entry), the same object on S3.
+        other = subprocess.run(
+            [sys.executable, "-c", _OTHER_HOLDER, s3_bucket.url("lock"), "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert other.stdout.strip() == "timeout", other.stderr
+    # A holder killed with the lock held: the lease expires and the next one takes it over.
+    died = subprocess.run([sys.executable, "-c", _DIE_HOLDING, s3_bucket.url("lock")], timeout=120)
+    assert died.returncode == 9 or died.returncode == -9
+    with pytest.raises(LockTimeoutError):
+        LeaseLock(store.client, key, url="x", timeout=0.3, lease=1.5).acquire()
+    taker = LeaseLock(store.client, key, url="taker", timeout=30, lease=1.5)
+    with taker:
+        assert taker.held()
+    assert ".lock" not in [k.rsplit("/", 1)[1] for k in _keys_under(s3_bucket, "")]
+
+
+_OTHER_HOLDER = """
+import sys
+from safeckpt._store.registry import open_store
+from safeckpt._s3.lease import LeaseLock
+from safeckpt.errors import LockTimeoutError
+store = open_store(sys.argv[1])
+try:
+    lock = LeaseLock(store.client, store.aliases.key(".lock"), url="other", timeout=float(sys.argv[2]))
+    lock.acquire()
+    print("taken")
+except LockTimeoutError:
+    print("timeout")
+"""
+
+_DIE_HOLDING = """
+import os, signal, sys
+from safeckpt._store.registry import open_store
+from safeckpt._s3.lease import LeaseLock
+store = open_store(sys.argv[1])
+LeaseLock(store.client, store.aliases.key(".lock"), url="dying", timeout=5, lease=3).acquire()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+# --- the tools ---------------------------------------------------------------------------------------
+
+
+def test_every_cli_command_takes_an_s3_url(s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root = s3_bucket.url("cli/run")
+    with safeckpt.CheckpointManager(root, async_save=False, retention=safeckpt.Retention(keep_last=3)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": {"w": torch.full((4,), float(step))}})
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "safeckpt", *args], capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    assert "latest" in cli("ls", root)
+    assert "3 checked, 0 broken" in cli("verify", root)
+    assert json.loads(cli("inspect", root, "--json"))["step"] == 3
+    cli("prune", root, "--keep-last", "1")
+    commits = [k for k in _keys_under(s3_bucket, "cli/run/step_") if k.endswith("/metadata.json")]
+    assert commits == ["cli/run/step_3/metadata.json"]
+    cli("gc", root)
+    out = tmp_path / "w.safetensors"
+    cli("export", root, "--to", str(out))
+    assert out.stat().st_size > 0
+    assert CLAIMS not in cli("ls", root)
