@@ -19,8 +19,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "safeckpt"
 BELOW_THE_SEAM = ("_fs/", "_storage/", "_posix/", "_util/", "testing/")
 
 NOT_A_ROOT = {
-    # Lightning's own .ckpt files, in the directory Lightning names (a file per save, not a root)
-    "lightning/checkpoint_io.py",
     # the user's registration index file (a JSON-lines log outside any root)
     "_registration/registrar.py",
     # stdout's replacement when the reader of a pipe went away

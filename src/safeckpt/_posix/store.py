@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from .._fs.atomic import atomic_write, read_pointer, replace_dir, swap_pointer
+from .._fs.atomic import atomic_write, atomic_write_stream, read_pointer, replace_dir, swap_pointer
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._fs.lock import SidecarLock
 from .._fs.safe_open import RegularFile, read_small
@@ -121,6 +121,9 @@ class PosixStore:
 
     def write_new(self, name: str, data: bytes) -> None:
         self.ops.write_file(self.path(name), data)
+
+    def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
+        atomic_write_stream(self.path(name), write, self.ops)
 
     def open_write(self, name: str) -> _WriteHandle:
         return _WriteHandle(open(self.path(name), "wb"))

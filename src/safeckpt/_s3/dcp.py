@@ -28,8 +28,9 @@ from torch.futures import Future
 from .._format.checksums import FileChecksum, corrupt, crc32
 from .._storage.placement import narrow
 from .._storage.writer import RawFileSystemWriter
+from .._store.handle_file import HandleFile
 from .client import NotFound
-from .transfer import RangeFile, RangeReader, pool
+from .transfer import RangeReader, pool
 
 _GAP = 1 << 20  # ranges closer than this are read as one GET
 
@@ -56,7 +57,7 @@ class S3FileSystem(FileSystemBase):
             reader = RangeReader(
                 self.store.client, key, part_size=settings.part_size, concurrency=settings.max_concurrency
             )
-            yield io.BufferedReader(RangeFile(reader), buffer_size=1 << 20)
+            yield io.BufferedReader(HandleFile(reader), buffer_size=1 << 20)
         else:
             raise ValueError(f"unsupported mode {mode!r}")
 

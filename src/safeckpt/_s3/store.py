@@ -247,6 +247,11 @@ class S3Store:
     def write_new(self, name: str, data: bytes) -> None:
         self.write_atomic(name, data)
 
+    def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
+        """One upload: the object appears, whole, when it completes; aborted if ``write`` raises."""
+        with self.open_write(name) as stream:
+            write(stream)
+
     def open_write(self, name: str) -> UploadStream:
         _check(name)
         return self.upload(self.aliases.file_key(name))

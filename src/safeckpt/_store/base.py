@@ -6,8 +6,9 @@ Nothing above this layer builds a path or calls the operating system on one.
 
 What each operation must guarantee, for the invariants of the design:
 
-* ``write_atomic`` (records, ``latest``, the owner record): a reader sees the
-  old content or the new, whole, never a mix; durable when it returns (7).
+* ``write_atomic`` (records, ``latest``, the owner record) and ``write_stream``
+  (a file too large to build in memory first): a reader sees the old content
+  or the new, whole, never a mix; durable when it returns (7).
 * ``commit_dir``: the one commit instant of a checkpoint (1). After it returns
   ``final`` holds what ``staged`` held, durably. A store that can exchange two
   names atomically leaves no instant without a complete ``final``; one that
@@ -155,6 +156,11 @@ class Store(Protocol):
     def write_atomic(self, name: str, data: bytes) -> None: ...
 
     def write_new(self, name: str, data: bytes) -> None: ...
+
+    def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
+        """What ``write(file)`` writes, as one file: readers see the old file or the new one,
+        whole; durable on return; nothing left behind if ``write`` raises."""
+        ...
 
     def open_write(self, name: str) -> WriteHandle: ...
 

@@ -3,25 +3,21 @@
 * :class:`CheckpointSlot` copies a checkpoint dict's tensors into host buffers kept
   from save to save (a :class:`~safeckpt._manager.background.StagingSlot` that keeps container
   types); a :class:`~safeckpt._manager.background.StagingPool` of them bounds how many wait;
-* :func:`write_checkpoint` is ``torch.save`` with ``atomic.atomic_write``'s
-  protocol (temp sibling, fsync, ``os.replace``, directory fsync), streamed.
+* the file itself is written by the directory's store (``Store.write_stream``).
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._fs.atomic import atomic_write_stream
-from .._fs.fileops import FileOps
 from .._manager.background import StagingSlot
 
 TEMP_NAME = re.compile(r"\..+\.tmp\.[0-9a-f]{12}")
-"""The temp files :func:`write_checkpoint` makes (``.<name>.tmp.<12 hex>``)."""
+"""The temp files a local store's ``write_stream`` makes (``.<name>.tmp.<12 hex>``)."""
 
 
 class CheckpointSlot(StagingSlot):
@@ -46,8 +42,3 @@ class CheckpointSlot(StagingSlot):
         if type(value) in (list, tuple):
             return type(value)(self._stage(v, (*path, i), seen, device_copy) for i, v in enumerate(value))
         return copy.deepcopy(value)
-
-
-def write_checkpoint(path: Path, checkpoint: Any, ops: FileOps) -> None:
-    """``torch.save`` into a temp sibling, fsync, ``os.replace``, fsync the directory."""
-    atomic_write_stream(path, lambda f: torch.save(checkpoint, f), ops)

@@ -14,9 +14,12 @@ the manager's saves use, keyed by path), and a removal is a decision about it:
   (NFS retries, the shared 0.75 s budget, drained at ``teardown()``).
 
 Each file is what ``torch.save(checkpoint)`` writes (Lightning's own format),
-written to a temp sibling, fsynced, ``os.replace``-d into place and its
-directory fsynced: a kill at any instant leaves the previous file or the new
-one. Call rules: Lightning calls ``save_checkpoint`` and ``remove_checkpoint``
+written through the directory's store as one file (``Store.write_stream``: on
+disk a temp sibling, fsynced, ``os.replace``-d into place and the directory
+fsynced; on S3 one upload that appears whole): a kill at any instant leaves the
+previous file or the new one. A path may be local or an ``s3://`` URL.
+
+Call rules: Lightning calls ``save_checkpoint`` and ``remove_checkpoint``
 on global rank 0 only (this class does nothing on other ranks, like Lightning's
 own plugins), ``load_checkpoint`` on every rank, ``teardown()`` after each
 ``fit``/``validate``; all from the training thread.
@@ -25,6 +28,7 @@ own plugins), ``load_checkpoint`` on every rank, ``teardown()`` after each
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import threading
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -44,10 +49,12 @@ from .._manager.ledger import Flight, SaveLedger
 from .._posix import PosixStore
 from .._root.removal import Deleter
 from .._store.base import Lock, Store
+from .._store.handle_file import HandleFile
 from .._store.loc import Loc
+from .._store.registry import LOCAL, open_store, scheme_of
 from .._util.torch_private import load_lightning_file
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
-from .checkpoint_file import TEMP_NAME, CheckpointSlot, write_checkpoint
+from .checkpoint_file import TEMP_NAME, CheckpointSlot
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ class _Save(Flight):
     """
 
     seq: int
-    path: Path
+    path: Loc
     data: Any
     slot: CheckpointSlot | None
 
@@ -107,11 +114,13 @@ class SafeCheckpointIO(CheckpointIO):
             checkpoints (a slow NFS server can hold a ``.nfs`` file for seconds).
         lock_timeout: how long to wait for a directory's sidecar lock (``<dir>/.lock``).
         retry_interval: seconds between background deletion passes while some fail.
-        file_ops: the filesystem seam (tests inject faults and delays through it).
+        file_ops: the filesystem seam of local paths (tests inject faults and delays through it).
 
     A background write error is raised once, as :class:`~safeckpt.SaveFailedError`,
     by the next ``save_checkpoint``/``remove_checkpoint``/``load_checkpoint``/``wait``
-    or by ``teardown()``, then cleared. Local and mounted filesystems only.
+    or by ``teardown()``, then cleared. Paths are local (or mounted) files, or
+    ``s3://`` URLs: then ``storage_options`` (Lightning passes the Trainer's) are the S3
+    settings, over the standard ``AWS_*`` variables.
     """
 
     def __init__(
@@ -132,15 +141,16 @@ class SafeCheckpointIO(CheckpointIO):
         self.lock_timeout = lock_timeout
         self.retry_interval = retry_interval
         self._ops = file_ops or DEFAULT_FILE_OPS
-        self._saves: SaveLedger[Path, _Save] = SaveLedger()  # queued and writing, by path
+        self._saves: SaveLedger[Loc, _Save] = SaveLedger()  # queued and writing, by path
         self._error_lock = threading.Lock()
         self._error: BaseException | None = None
         self._seq = 0
         self._writer: BackgroundWriter | None = None
         self._pool: StagingPool | None = None
-        self._dirs: dict[Path, _Dir] = {}
+        self._dirs: dict[str, _Dir] = {}  # by the directory's URL (its path, for a local one)
         self._dirs_lock = threading.Lock()
-        self._swept: set[Path] = set()  # directories whose leftover temp files were collected
+        self._roots: dict[str, Loc] = {}  # each directory's store, opened once
+        self._swept: set[str] = set()  # directories whose leftover temp files were collected
         self.cancelled = 0  # saves a removal cancelled before they were written (tests read it)
         self.removed_after_write = 0  # saves a removal reached while they were being written
 
@@ -151,19 +161,18 @@ class SafeCheckpointIO(CheckpointIO):
     ) -> None:
         """Save ``checkpoint`` to ``path`` (rank 0); see the class doc for when it returns.
 
-        Raises :class:`StorageOptionsError` for any ``storage_options`` but None or
-        an empty mapping, and a failed earlier background save (once).
+        Raises :class:`StorageOptionsError` for ``storage_options`` on a local path (or
+        options an ``s3://`` path does not take), and a failed earlier background save (once).
         """
-        _check_storage_options(storage_options)
         self._raise_pending()
         if not _is_rank_zero():
             return
-        target = _local_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.parent not in self._swept:
+        target = self._file(path, storage_options)
+        target.store.make_dir(target.parent.key)
+        if target.store.url not in self._swept:
             self._sweep(target.parent)
         if not self.async_save:
-            write_checkpoint(target, checkpoint, self._ops)
+            _write(target, checkpoint)
             return
         writer, pool = self._start()
         slot = pool.acquire()
@@ -188,19 +197,24 @@ class SafeCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Load ``path`` with ``torch.load`` (waiting first for this plugin's saves of it)."""
         self._raise_pending()
-        target = _local_path(path)
+        target = self._file(path)
         self._saves.wait(target)
         self._raise_pending()
-        if not target.exists():
-            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}", path=str(target))
-        return load_lightning_file(target, map_location=map_location, weights_only=weights_only)
+        try:
+            if isinstance(target.store, PosixStore):  # as Lightning reads it: through a link too
+                return load_lightning_file(target.where, map_location=map_location, weights_only=weights_only)
+            with target.store.open_read(target.key) as handle:
+                stream = io.BufferedReader(HandleFile(handle), buffer_size=1 << 20)
+                return torch.load(stream, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}", path=str(target)) from e
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Make ``path`` go away: cancel its queued save, remove it after its write, or trash it (rank 0)."""
         self._raise_pending()
         if not _is_rank_zero():
             return
-        target = _local_path(path)
+        target = self._file(path)
         removal = self._saves.remove(target)  # a save being written: the writer trashes it after
         self._cancelled(removal.cancelled)
         self.removed_after_write += len(removal.deferred)
@@ -238,9 +252,10 @@ class SafeCheckpointIO(CheckpointIO):
             self._writer.wait_idle()
         self._raise_pending()
 
-    def pending_paths(self) -> list[Path]:
-        """Paths with a save queued or being written, oldest first."""
-        return self._saves.keys()
+    def pending_paths(self) -> list[Path | str]:
+        """Paths with a save queued or being written, oldest first (URLs for ``s3://`` ones)."""
+        pending = self._saves.keys()
+        return [loc.where for loc in pending]
 
     # --- the mechanism -----------------------------------------------------------------
 
@@ -272,7 +287,7 @@ class SafeCheckpointIO(CheckpointIO):
         data = job.data
         error: BaseException | None = None
         try:
-            write_checkpoint(job.path, data, self._ops)
+            _write(job.path, data)
         except Exception as e:
             error = e
         finally:
@@ -307,9 +322,9 @@ class SafeCheckpointIO(CheckpointIO):
                 return
         logger.error("safeckpt: %s", error)
 
-    def _discard(self, target: Path) -> None:
+    def _discard(self, target: Loc) -> None:
         """Rename a committed file into ``<dir>/.trash/`` and let the deleter remove it."""
-        if not os.path.lexists(target):
+        if target.entry() is None:
             return
         d = self._dir(target.parent)
         trash = d.layout.trash / f"{target.name}.{uuid.uuid4().hex[:12]}"
@@ -323,14 +338,14 @@ class SafeCheckpointIO(CheckpointIO):
             return
         d.deleter.schedule()
 
-    def _sweep(self, directory: Path) -> None:
+    def _sweep(self, directory: Loc) -> None:
         """Trash the temp files of writes a crash interrupted (before this plugin's first save there).
 
-        Only names this plugin makes (``.<name>.tmp.<12 hex>``); one writer per
-        directory is assumed, as Lightning writes from global rank 0 only.
+        Only names this plugin's local writes make (``.<name>.tmp.<12 hex>``); one writer
+        per directory is assumed, as Lightning writes from global rank 0 only.
         """
-        self._swept.add(directory)
-        temps = [p for p in directory.glob(".*.tmp.*") if TEMP_NAME.fullmatch(p.name)]
+        self._swept.add(directory.store.url)
+        temps = [e for e in directory.store.entries(directory.key) if TEMP_NAME.fullmatch(e.name)]
         if not temps:
             return
         d = self._dir(directory)
@@ -342,16 +357,37 @@ class SafeCheckpointIO(CheckpointIO):
         logger.info("safeckpt: collected %d interrupted write(s) in %s", len(temps), directory)
         d.deleter.schedule()
 
-    def _dir(self, directory: Path) -> _Dir:
+    def _dir(self, directory: Loc) -> _Dir:
         with self._dirs_lock:  # the training and the writer thread both remove
-            d = self._dirs.get(directory)
+            d = self._dirs.get(directory.store.url)
             if d is None:
-                layout = Layout(Loc(PosixStore(directory, self._ops)))
+                layout = Layout(directory)
                 lock = layout.store.lock(timeout=self.lock_timeout)
                 deleter = Deleter(layout, lock, retry_interval=self.retry_interval)
                 deleter.start()
-                d = self._dirs[directory] = _Dir(layout, lock, deleter)
+                d = self._dirs[directory.store.url] = _Dir(layout, lock, deleter)
             return d
+
+    def _file(self, path: str | os.PathLike[str], storage_options: Any | None = None) -> Loc:
+        """``path`` as a file in the store of its directory (that store's root is the directory)."""
+        text = os.fspath(path)
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        if scheme_of(text) == LOCAL:
+            _check_storage_options(storage_options)
+            local = Path(os.path.abspath(text))
+            directory, name = str(local.parent), local.name
+        else:
+            directory, _, name = text.rstrip("/").rpartition("/")
+        with self._dirs_lock:
+            root = self._roots.get(directory)
+            if root is None or storage_options:
+                if scheme_of(directory) == LOCAL:
+                    store: Store = PosixStore(directory, self._ops)
+                else:
+                    store = _open_url(directory, storage_options)
+                root = self._roots[directory] = Loc(store)
+        return root / name
 
     def _raise_pending(self) -> None:
         with self._error_lock:
@@ -364,24 +400,25 @@ def _is_rank_zero() -> bool:
     return getattr(rank_zero_only, "rank", 0) == 0
 
 
+def _write(target: Loc, checkpoint: Any) -> None:
+    """``torch.save`` streamed into ``target`` as one file (old or new, whole, at every instant)."""
+    target.store.write_stream(target.key, lambda f: torch.save(checkpoint, f))
+
+
 def _check_storage_options(options: Any) -> None:
     if options is None or (isinstance(options, Mapping) and not options):
         return
     raise StorageOptionsError(
-        f"SafeCheckpointIO does not support storage_options={options!r}: it writes one "
-        "torch.save file per checkpoint, atomically. Drop storage_options, or use a CheckpointIO "
-        "that defines them."
+        f"SafeCheckpointIO takes no storage_options={options!r} for a local path: it writes one "
+        "torch.save file per checkpoint, atomically. Drop storage_options (they are for s3:// "
+        "paths), or use a CheckpointIO that defines them."
     )
 
 
-def _local_path(path: str | os.PathLike[str]) -> Path:
-    text = os.fspath(path)
-    if "://" in text:
-        if not text.startswith("file://"):
-            raise ConfigError(
-                f"SafeCheckpointIO writes local or mounted filesystems only, not {text!r}: its "
-                "atomicity rests on os.replace and fsync. Mount the storage, or use Lightning's "
-                "TorchCheckpointIO for object stores."
-            )
-        text = text[len("file://") :]
-    return Path(os.path.abspath(text))
+def _open_url(directory: str, options: Any) -> Store:
+    try:
+        return open_store(directory, options=options or None)
+    except ConfigError as e:
+        if options and "storage_options" in str(e):
+            raise StorageOptionsError(str(e)) from e
+        raise
