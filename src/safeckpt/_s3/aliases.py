@@ -50,13 +50,14 @@ class Aliases:
         self._client = client
         self._prefix = prefix
         self._known: dict[str, Alias] = {}  # found since: a reader holds a record before its bytes
+        self._plain: set[str] = set()  # made here as plain directories: never an alias (no HEADs)
 
     def key(self, name: str) -> str:
         return self._prefix + name
 
     def find(self, name: str, *, fresh: bool = True) -> Alias | None:
         """The alias directory ``name`` is, or None for a plain prefix (or nothing)."""
-        if not name:
+        if not name or name in self._plain:
             return None
         if not fresh and name in self._known:
             return self._known[name]
@@ -72,6 +73,14 @@ class Aliases:
             return found
         self._known.pop(name, None)
         return None
+
+    def declare_plain(self, name: str) -> None:
+        """``name`` (and each directory above it) was made as a plain directory: a save's area or a
+        container. Aliases are made only at the names a commit or a move goes to, which are never
+        made as directories, so this holds for every process."""
+        while name:
+            self._plain.add(name)
+            name = name.rpartition("/")[0]
 
     def learn(self, name: str, alias: Alias | None) -> None:
         """What a read of ``name``'s marker showed (the record read at the start of a restore)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import random
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
@@ -80,7 +82,7 @@ class Client:
         except ImportError as e:  # pragma: no cover - the extra is missing
             raise ConfigError("s3:// roots need boto3: pip install 'safeckpt[s3]'.", path=location.url) from e
         config = Config(
-            retries={"mode": "standard", "max_attempts": settings.max_attempts},
+            retries={"mode": "standard", "total_max_attempts": settings.max_attempts},  # not retries
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
             max_pool_connections=max(16, 4 * settings.max_concurrency),
@@ -89,6 +91,7 @@ class Client:
             response_checksum_validation="when_required",
         )
         self.bucket = location.bucket
+        self._attempts = settings.max_attempts
         self._s3 = boto3.session.Session().client("s3", config=config, **dict(settings.client))
         self.endpoint = str(self._s3.meta.endpoint_url)
 
@@ -150,14 +153,18 @@ class Client:
                 return Got(b"", "", self.head(key).size)
             end = "" if length is None else str(start + length - 1)
             args["Range"] = f"bytes={start}-{end}"
-        reply = self._call("get_object", key, **args)
-        body = reply["Body"]
-        try:
-            data = body.read()
-        except Exception as e:  # a connection cut mid-body: botocore does not retry it for us
-            raise S3Error("ReadError", 0, f"{type(e).__name__}: {e}", key) from e
-        finally:
-            body.close()
+        for attempt in range(self._attempts):
+            reply = self._call("get_object", key, **args)
+            body = reply["Body"]
+            try:
+                data = body.read()
+                break
+            except Exception as e:  # a body cut mid-way: botocore retries the request, not its body
+                if attempt + 1 == self._attempts:
+                    raise S3Error("ReadError", 0, f"{type(e).__name__}: {e}", key) from e
+                time.sleep(min(1.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+            finally:
+                body.close()
         size = int(reply.get("ContentRange", "/").rpartition("/")[2] or reply["ContentLength"])
         date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         age = _age(reply.get("LastModified"), date)

@@ -72,7 +72,7 @@ class S3Store:
             entry_name = key[len(base) :]
             out[entry_name] = Entry(entry_name, FILE, size)
         hidden = {CLAIMS} if not name else set()
-        if alias is None:
+        if alias is None and prefixes:  # committed areas among the subdirectories are not shown
             hidden |= {leaf(a) for a in self.aliases.held_under(name)}
         for upload_key, _ in self.client.uploads(base):
             first = upload_key[len(base) :].split("/")[0]
@@ -105,7 +105,8 @@ class S3Store:
         return self.client.list(base, delimiter="/", limit=1) != ([], []) or bool(self.client.uploads(base))
 
     def make_dir(self, name: str) -> None:
-        _check(name)  # a prefix needs no making
+        _check(name)
+        self.aliases.declare_plain(name)  # a prefix needs no making; it is known not to be an alias
 
     def move(self, src: str, dst: str) -> None:
         _check(src)
