@@ -37,6 +37,10 @@ class PreconditionFailed(OSError):
 
     def __init__(self, key: str) -> None:
         super().__init__(errno.EEXIST, "the object exists or changed since it was read", key)
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:  # errors cross ranks pickled
+        return (PreconditionFailed, (self.key,))
 
 
 class S3Error(OSError):
@@ -47,6 +51,10 @@ class S3Error(OSError):
         super().__init__(number, f"{code} ({status}): {message}", key)
         self.code = code
         self.status = status
+        self._args = (code, status, message, key)
+
+    def __reduce__(self) -> tuple[object, ...]:  # errors cross ranks pickled
+        return (S3Error, self._args)
 
 
 @dataclass(frozen=True)
