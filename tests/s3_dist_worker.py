@@ -1,0 +1,114 @@
+"""One rank of a 2-rank gloo run on an ``s3://`` root (used by test_s3_ranks.py).
+
+Each rank writes what it saw (its result, or the error it raised) to ``<results>/rank<r>.json``.
+The S3 settings come in as ``storage_options``: a forked or spawned rank may not see the test's
+environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from safeckpt import CheckpointManager, Retention
+from safeckpt._s3 import client as s3_client
+from safeckpt.errors import CheckpointError
+
+
+def _model(ws: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    mesh = init_device_mesh("cpu", (ws,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, rank: int, steps: int) -> None:
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _local(model: nn.Module) -> dict[str, list[float]]:
+    return {k: v.to_local().flatten().tolist() for k, v in model.state_dict().items()}
+
+
+def save(rank: int, ws: int, url: str, options: dict[str, Any], *, fail_rank: int | None = None) -> Any:
+    model, optim = _model(ws)
+    errors = []
+    with CheckpointManager(
+        url, async_save=True, retention=Retention(keep_last=2), storage_options=options
+    ) as mgr:
+        for step in (1, 2, 3):
+            _train(model, optim, rank, 1)
+            if step == 2 and rank == fail_rank:
+                _fail_data_uploads()
+            try:
+                mgr.save(step, {"model": model, "optim": optim})
+                mgr.wait()
+            except CheckpointError as e:
+                errors.append([step, type(e).__name__, str(e)[:300]])
+            if step == 2 and rank == fail_rank:
+                _restore_uploads()
+        latest = mgr.latest_step
+    return {"weights": _local(model), "errors": errors, "latest": latest}
+
+
+def restore(rank: int, ws: int, url: str, options: dict[str, Any]) -> Any:
+    model, optim = _model(ws)
+    with CheckpointManager(url, storage_options=options) as mgr:
+        step = mgr.restore({"model": model, "optim": optim}).step
+    return {"weights": _local(model), "step": step}
+
+
+_real_put = s3_client.Client.put
+_real_part = s3_client.Client.upload_part
+
+
+def _fail_data_uploads() -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise s3_client.S3Error("SlowDown", 503, "injected on this rank", "x")
+
+    s3_client.Client.put = refuse  # type: ignore[method-assign]
+    s3_client.Client.upload_part = refuse  # type: ignore[method-assign]
+
+
+def _restore_uploads() -> None:
+    s3_client.Client.put = _real_put  # type: ignore[method-assign]
+    s3_client.Client.upload_part = _real_part  # type: ignore[method-assign]
+
+
+SCENARIOS = {"save": save, "restore": restore}
+
+
+def main(
+    scenario: str, rank: int, ws: int, port: int, url: str, results: str, kwargs: dict[str, Any]
+) -> None:
+    torch.set_num_threads(1)
+    out = Path(results) / f"rank{rank}.json"
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=60))
+        result = SCENARIOS[scenario](rank, ws, url, **kwargs)
+        out.write_text(json.dumps({"ok": True, "result": result}))
+    except BaseException as e:
+        out.write_text(json.dumps({"ok": False, "error": repr(e), "traceback": traceback.format_exc()}))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

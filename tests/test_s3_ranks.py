@@ -1,0 +1,67 @@
+"""Two gloo ranks (FSDP2) checkpointing to one ``s3://`` prefix: every rank's shard goes up and comes
+back, and a failed upload on one rank fails that save on every rank and loses nothing committed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import s3_dist_worker
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _launch(scenario: str, url: str, results: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    results.mkdir(parents=True, exist_ok=True)
+    for old in results.glob("rank*.json"):
+        old.unlink()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=s3_dist_worker.main, args=(scenario, rank, 2, port, url, str(results), kwargs))
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+        if proc.is_alive():
+            proc.kill()
+    reports = [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, report in enumerate(reports):
+        assert report["ok"], f"rank {rank}: {report.get('traceback')}"
+    return [r["result"] for r in reports]
+
+
+def test_two_ranks_save_to_a_prefix_and_restore_their_own_shards(s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    url, options = s3_bucket.url("ranks/run"), s3_bucket.storage_options
+    saved = _launch("save", url, tmp_path / "r", options=options)
+    assert [s["latest"] for s in saved] == [3, 3] and all(not s["errors"] for s in saved)
+    keys = s3_bucket.keys()
+    assert any(k.endswith("__0_0.distcp") for k in keys) and any(k.endswith("__1_0.distcp") for k in keys)
+    restored = _launch("restore", url, tmp_path / "r", options=options)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]  # each rank its own shard
+
+
+def test_a_failed_upload_on_one_rank_fails_the_save_on_both_and_loses_nothing(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    url, options = s3_bucket.url("ranks/fail"), s3_bucket.storage_options
+    saved = _launch("save", url, tmp_path / "r", options=options, fail_rank=1)
+    for report in saved:
+        assert [e[0] for e in report["errors"]] == [2], report["errors"]  # step 2, on every rank
+        assert report["errors"][0][1] == "SaveFailedError" and "rank 1" in report["errors"][0][2]
+        assert report["latest"] == 3
+    restored = _launch("restore", url, tmp_path / "r", options=options)
+    assert [r["step"] for r in restored] == [3, 3]
+    keys = s3_bucket.keys()  # every key of the bucket
+    commits = sorted(k for k in keys if k.startswith("ranks/fail/step_") and k.endswith("/metadata.json"))
+    assert commits == ["ranks/fail/step_1/metadata.json", "ranks/fail/step_3/metadata.json"]
