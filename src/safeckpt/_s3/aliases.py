@@ -94,9 +94,11 @@ class Aliases:
 
     # --- where a name's bytes are -------------------------------------------------------------------
 
-    def file_key(self, name: str, *, fresh: bool = True) -> str:
+    def file_key(self, name: str, *, fresh: bool = False) -> str:
         """The object key of file ``name``: under the area of the nearest directory on its way that
-        is an alias, the marker itself for an alias's record, else the name as it is."""
+        is an alias, the marker itself for an alias's record, else the name as it is. An alias
+        already found is trusted (``fresh`` looks again): a reader found it reading the record it
+        holds, and a copy replaced since is told apart by that record (its files are gone or differ)."""
         parts = name.split("/")
         for i in range(1, len(parts)):
             directory = "/".join(parts[:i])

@@ -116,12 +116,12 @@ class S3Store:
             self._move_alias(src, dst, alias)
             return
         try:
-            got = self.client.get(self.aliases.file_key(src))
+            got = self.client.get(self.aliases.file_key(src, fresh=True))
         except NotFound:
             got = None
         if got is not None:
-            self.client.put(self.aliases.file_key(dst), got.data, metadata=got.metadata)
-            self.client.delete(self.aliases.file_key(src))
+            self.client.put(self.aliases.file_key(dst, fresh=True), got.data, metadata=got.metadata)
+            self.client.delete(self.aliases.file_key(src, fresh=True))
             self._pointers.pop(src, None)
             self._pointers.pop(dst, None)
             return
@@ -179,7 +179,7 @@ class S3Store:
             self._delete_under(self.aliases.key(name) + "/")
             self.aliases.forget(name)
             return
-        key = self.aliases.file_key(name)
+        key = self.aliases.file_key(name, fresh=True)
         try:
             self.client.head(key)
         except NotFound:
@@ -229,7 +229,7 @@ class S3Store:
         _check(name)
         return RangeReader(
             self.client,
-            self.aliases.file_key(name, fresh=False),
+            self.aliases.file_key(name),
             part_size=self.settings.part_size,
             concurrency=self.settings.max_concurrency,
         )
@@ -243,7 +243,7 @@ class S3Store:
             self.client.put(self.aliases.key(name), data, metadata={AREA: alias.area})
             self.aliases.learn(parent, Alias(alias.area, alias.marker, len(data)))
             return
-        self.client.put(self.aliases.file_key(name), data)
+        self.client.put(self.aliases.file_key(name, fresh=True), data)
 
     def write_new(self, name: str, data: bytes) -> None:
         self.write_atomic(name, data)
@@ -255,7 +255,7 @@ class S3Store:
 
     def open_write(self, name: str) -> UploadStream:
         _check(name)
-        return self.upload(self.aliases.file_key(name))
+        return self.upload(self.aliases.file_key(name, fresh=True))
 
     def upload(self, key: str) -> UploadStream:
         return UploadStream(

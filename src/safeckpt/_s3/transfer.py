@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .client import Client, NotFound
+from .client import Client, Got, NotFound, S3Error
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -140,13 +140,21 @@ class RangeReader:
     """
 
     def __init__(self, client: Client, key: str, *, part_size: int, concurrency: int) -> None:
-        head = client.head(key)
         self._client = client
         self._key = key
-        self.size = head.size
-        self.etag = head.etag
         self._part_size = part_size
         self._concurrency = concurrency
+        # The first part comes with the size: one GET instead of a HEAD and a GET for most files.
+        try:
+            first = client.get(key, start=0, length=part_size)
+        except S3Error as e:
+            if e.status != 416:  # an empty object has no byte 0 to start a range at
+                raise
+            head = client.head(key)
+            first = Got(b"", head.etag, head.size)
+        self.size = first.size
+        self.etag = first.etag
+        self._first = first.data
 
     def read(self, offset: int, length: int) -> bytes:
         length = max(0, min(length, self.size - offset))
@@ -161,6 +169,8 @@ class RangeReader:
 
     def piece(self, offset: int, length: int) -> bytes:
         """One ranged GET (never from a pool thread's nested wait: see :func:`pool`)."""
+        if offset + length <= len(self._first):
+            return self._first[offset : offset + length]
         got = self._client.get(self._key, start=offset, length=length)
         if got.etag != self.etag:
             raise NotFound(2, "the object was replaced while it was read", self._key)
