@@ -12,10 +12,12 @@ moved to holds one small *marker* object naming that area in its metadata:
 
 Each area that an alias took is *claimed* (``.claims/<area, quoted>`` names the
 alias) before the alias is written, so a listing of the area's parent hides
-it once committed, and a removal of any other alias that still names it (left
-by a move cut short) never deletes its bytes. A claim counts only while the
-alias it names still points at the area: an area whose save was cut before
-the commit, or whose commit was replaced, is shown again, and collected.
+it once committed. A claim counts only while the alias it names still points
+at the area: an area whose save was cut before the commit, whose commit was
+replaced, or whose move was cut between the old marker's deletion and the new
+one's write belongs to no name; it is shown again, and collected. No two names
+share an area (a move deletes the old marker first); one written by hand
+beside the claim's owner is removed without the bytes the owner holds.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the contract, and :mod:`.aliases` for how directories live without rename):
   ``If-None-Match: *`` (``If-Match`` on the old record's ETag when it replaces
   one, whose area then moves to ``retired``). No instant without a complete
   checkpoint at ``final``: the one PUT is the commit.
-* ``move`` of a directory: its marker written at the new name, the claim moved,
-  the old marker deleted; of a file: copied, then deleted.
+* ``move`` of a directory: the claim moved, the old marker deleted, the marker
+  written at the new name; of a file: copied, then deleted.
 * ``write_atomic``/``write_new``: one PUT (S3 replaces an object whole); a
   record of a committed checkpoint keeps its area in the rewritten marker.
 * ``write_pointer``: ``latest``, with ``If-Match`` on the ETag this store last
@@ -134,12 +134,14 @@ class S3Store:
         self.aliases.learn(dst, Alias(src, DIR_MARK, 0))
 
     def _move_alias(self, src: str, dst: str, alias: Alias) -> None:
+        """The old name's marker goes before the new one is written, so no two names ever share an
+        area: cut short in between, the area belongs to no name and is collected as a leftover."""
         marker = self.aliases.key(join(src, alias.marker))
         got = self.client.get(marker)
-        self.aliases.claim(alias.area, dst)  # first: from now on only dst may remove the area
-        self.client.put_new(self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
+        self.aliases.claim(alias.area, dst)
         self.client.delete(marker)  # the instant src leaves every listing
         self.aliases.forget(src)
+        self.client.put_new(self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
         self.aliases.learn(dst, alias)
 
     def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
