@@ -346,3 +346,7 @@ def test_every_cli_command_takes_an_s3_url(s3_bucket, tmp_path: Path) -> None:  
     cli("export", root, "--to", str(out))
     assert out.stat().st_size > 0
     assert CLAIMS not in cli("ls", root)
+    index = tmp_path / "index.jsonl"
+    cli("register", root, "--registrar", json.dumps({"kind": "jsonl", "index_path": str(index)}))
+    registered = [json.loads(line) for line in index.read_text().splitlines()]
+    assert [r["step"] for r in registered] == [3] and registered[0]["path"].startswith("s3://")
