@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-fallback test-slow lint bench clean
+.PHONY: setup system-deps demo demo-s3 test test-fallback test-slow lint bench clean
 
 # The fallback pass: the tests again with every private torch and Lightning fast path switched
 # off (SAFECKPT_TORCH_PRIVATE=0, src/safeckpt/_util/torch_private.py), so the public fallbacks
@@ -48,8 +48,12 @@ system-deps:
 demo: setup
 	$(VENV)/bin/safeckpt demo --dir $(DEMO_DIR)
 
+# The demo on an s3:// root: starts a local S3 server (moto), trains, is killed, resumes.
+demo-s3: setup
+	$(PY) scripts/demo_s3.py
+
 test: setup system-deps
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(FALLBACK_TESTS) $(PYTEST_ARGS)
@@ -61,7 +65,7 @@ test-slow: setup system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
 
 bench: setup

@@ -126,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``safeckpt demo`` and ``python -m safeckpt.demo``)."""
     from .args import non_negative_int, positive_int
 
-    parser.add_argument("--dir", default=DEFAULT_DIR, help=f"checkpoint root (default: {DEFAULT_DIR})")
+    parser.add_argument(
+        "--dir",
+        default=DEFAULT_DIR,
+        help=f"checkpoint root: a directory or an s3:// URL (default: {DEFAULT_DIR})",
+    )
     parser.add_argument(
         "--steps",
         type=positive_int,
@@ -269,7 +273,7 @@ def _run(args: argparse.Namespace, console: Console, rank: int, world_size: int)
         keep_best=args.keep_best or None,
         metric=METRIC if args.keep_best else None,
     )
-    root = Path(args.dir)
+    root = args.dir  # a path or a URL: the manager opens the store that serves it
     console.print(
         f"safeckpt demo: {args.steps} steps, a save every {args.save_every}, "
         f"keeping the last {args.keep_last}"
