@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import s3_dist_worker
+import safeckpt
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,6 +52,13 @@ def test_two_ranks_save_to_a_prefix_and_restore_their_own_shards(s3_bucket, tmp_
     restored = _launch("restore", url, tmp_path / "r", options=options)
     assert [r["step"] for r in restored] == [3, 3]
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]  # each rank its own shard
+    # Resumed at one rank: the plain model gets the whole tensors (each rank's rows, in rank order).
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    with safeckpt.CheckpointManager(url, storage_options=options) as mgr:
+        assert mgr.restore({"model": model}, strict=False).step == 3
+    for name, tensor in model.state_dict().items():
+        whole = torch.cat([torch.tensor(s["weights"][name]) for s in saved]).reshape(tensor.shape)
+        assert torch.equal(tensor, whole), name
 
 
 def test_a_failed_upload_on_one_rank_fails_the_save_on_both_and_loses_nothing(
