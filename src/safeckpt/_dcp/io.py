@@ -11,7 +11,6 @@ the classes DCP metadata is made of, and non-tensor values are loaded with
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import logging
 import os
@@ -50,7 +49,7 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore",
-            message="torch.distributed is (disabled, )?unavailable or uninitialized",  # 2.7+ and 2.6 wordings
+            message="torch.distributed is disabled, unavailable or uninitialized",
             category=UserWarning,
         )
         yield
@@ -176,13 +175,9 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-# torch before 2.7 has no ``no_dist=``: it runs without a process group whenever none is initialized.
-_NO_DIST = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
-
-
 def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
     if group is None or not dist.is_initialized():
-        return dict(_NO_DIST)
+        return {"no_dist": True}
     return {"process_group": group}
 
 
