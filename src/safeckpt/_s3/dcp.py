@@ -13,6 +13,7 @@ as DCP's own reader does.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 from collections.abc import Callable, Iterator, Mapping
@@ -156,18 +157,17 @@ class S3DcpReader(FileSystemReader):
         key = f"{self.path}/{name}"
         shown = f"{self._shown}/{name}"  # how errors name the file: as the user names the checkpoint
         checksum = None if self._checksums is None else self._checksums.get(name)
+        segments = None if checksum is None else _Segments(checksum, shown, self._step)
         spans = []  # (start, end) of each item, widened to the checksum segments it touches
         for item in items:
             info = self.storage_data[item.storage_index]
             start, end = info.offset, info.offset + info.length
-            if checksum is not None:
-                start, end = _segments_cover(checksum, start, end, shown, self._step)
-            spans.append((start, end))
+            spans.append((start, end) if segments is None else segments.cover(start, end))
         chunks = _fetch(self._store, key, _merged(spans))
         for item, (start, end) in zip(items, spans, strict=True):
             data = _slice(chunks, start, end)
-            if checksum is not None:
-                _verify(checksum, start, data, shown, self._step)
+            if segments is not None:
+                segments.verify(start, data)
             info = self.storage_data[item.storage_index]
             view = data[info.offset - start : info.offset - start + info.length]
             if item.type == LoadItemType.BYTE_IO:
@@ -184,28 +184,35 @@ class S3DcpReader(FileSystemReader):
             planner.commit_tensor(item, target)
 
 
-def _segments_cover(
-    checksum: FileChecksum, start: int, end: int, key: str, step: int | None
-) -> tuple[int, int]:
-    """``[start, end)`` widened to whole checksum segments; a range no segment covers is damage."""
-    lo, hi = None, None
-    for segment in checksum.segments:
-        s_end = segment.offset + segment.length
-        if s_end > start and segment.offset < end:
-            lo = segment.offset if lo is None else min(lo, segment.offset)
-            hi = s_end if hi is None else max(hi, s_end)
-    if lo is None or hi is None or lo > start or hi < end:
-        raise corrupt(key, start, step=step)
-    return lo, hi
+class _Segments:
+    """One file's CRC32 segments (in offset order, back to back), found by bisection."""
 
+    def __init__(self, checksum: FileChecksum, shown: str, step: int | None) -> None:
+        self._segments = sorted(checksum.segments, key=lambda s: s.offset)
+        self._offsets = [s.offset for s in self._segments]
+        self._shown = shown
+        self._step = step
 
-def _verify(checksum: FileChecksum, start: int, data: bytes, key: str, step: int | None) -> None:
-    end = start + len(data)
-    for segment in checksum.segments:
-        if segment.offset >= start and segment.offset + segment.length <= end:
-            part = memoryview(data)[segment.offset - start : segment.offset - start + segment.length]
-            if crc32(part) != segment.crc:
-                raise corrupt(key, segment.offset, step=step)
+    def _range(self, start: int, end: int) -> tuple[int, int]:
+        """Indices ``[i, j)`` of the segments that overlap ``[start, end)``."""
+        i = max(0, bisect.bisect_right(self._offsets, start) - 1)
+        j = bisect.bisect_left(self._offsets, end)
+        return i, j
+
+    def cover(self, start: int, end: int) -> tuple[int, int]:
+        """``[start, end)`` widened to whole segments; a range they do not cover is damage."""
+        i, j = self._range(start, end)
+        found = self._segments[i:j]
+        if not found or found[0].offset > start or found[-1].offset + found[-1].length < end:
+            raise corrupt(self._shown, start, step=self._step)
+        return found[0].offset, found[-1].offset + found[-1].length
+
+    def verify(self, start: int, data: memoryview) -> None:
+        i, j = self._range(start, start + len(data))
+        for segment in self._segments[i:j]:
+            part = data[segment.offset - start : segment.offset - start + segment.length]
+            if len(part) != segment.length or crc32(part) != segment.crc:
+                raise corrupt(self._shown, segment.offset, step=self._step)
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -218,30 +225,32 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _fetch(store: Any, key: str, spans: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
-    """The bytes of each span, in ranged GETs of at most one part, all in parallel."""
+def _fetch(store: Any, key: str, spans: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+    """The bytes of each span, in ranged GETs of at most one part, all in parallel, each piece
+    copied once into the span's buffer."""
     settings = store.settings
-    reader = RangeReader(
-        store.client, key, part_size=settings.part_size, concurrency=settings.max_concurrency
-    )
+    part = settings.part_size
+    reader = RangeReader(store.client, key, part_size=part, concurrency=settings.max_concurrency)
     workers = pool(settings.max_concurrency)
-    pieces = [
-        [
-            workers.submit(reader.piece, s, min(settings.part_size, end - s))
-            for s in range(start, end, settings.part_size)
-        ]
-        for start, end in spans
-    ]
-    out = []
-    for (start, end), futures in zip(spans, pieces, strict=True):
-        data = b"".join(f.result() for f in futures)
-        if len(data) != end - start:
+    buffers = [bytearray(end - start) for start, end in spans]
+
+    def fill(buffer: bytearray, at: int, offset: int, length: int) -> None:
+        data = reader.piece(offset, length)
+        if len(data) != length:
             raise EOFError(f"{key} is shorter than its metadata says")
-        out.append((start, data))
-    return out
+        buffer[at : at + length] = data
+
+    futures = [
+        workers.submit(fill, buffer, s - start, s, min(part, end - s))
+        for buffer, (start, end) in zip(buffers, spans, strict=True)
+        for s in range(start, end, part)
+    ]
+    for future in futures:
+        future.result()
+    return [(start, memoryview(buffer)) for buffer, (start, _end) in zip(buffers, spans, strict=True)]
 
 
-def _slice(chunks: list[tuple[int, bytes]], start: int, end: int) -> bytes:
+def _slice(chunks: list[tuple[int, memoryview]], start: int, end: int) -> memoryview:
     for chunk_start, data in chunks:
         if chunk_start <= start and end <= chunk_start + len(data):
             return data[start - chunk_start : end - chunk_start]
