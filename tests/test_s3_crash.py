@@ -33,7 +33,7 @@ def _committed(log: Path) -> int:
 
 
 def test_kill_at_every_thirteenth_s3_request_resumes_the_newest_commit(s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    _kill_and_resume(s3_bucket, tmp_path, stride=13)  # kill points spread over the whole run; the slow variant takes each
+    _kill_and_resume(s3_bucket, tmp_path, stride=13)  # spread over the run; the slow variant takes each
 
 
 @pytest.mark.slow
