@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -44,7 +43,6 @@ class UploadStream(io.RawIOBase):
         *,
         part_size: int,
         concurrency: int,
-        on_done: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         self._client = client
@@ -56,7 +54,6 @@ class UploadStream(io.RawIOBase):
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
         self._finished = False
-        self._on_done = on_done
 
     def writable(self) -> bool:
         return True
@@ -106,8 +103,6 @@ class UploadStream(io.RawIOBase):
         finally:
             self._buffer = bytearray()
             super().close()
-        if self._on_done is not None:
-            self._on_done(self._key)
 
     def abort(self) -> None:
         """Give the upload up: nothing of it stays on the server."""
