@@ -71,6 +71,7 @@ def test_save_prune_and_restore_bit_exact_on_a_prefix(s3_bucket, async_save: boo
     )
     loaded = safeckpt.load(root, step=20)
     assert loaded["extra"]["step"] == 20
+    assert safeckpt.load(f"{root}/step_20")["extra"]["step"] == 20  # a checkpoint by its own URL
 
 
 def test_storage_options_as_fsspec_writes_them(s3_bucket, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
