@@ -10,19 +10,17 @@ store, to play an outage.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from server_process import ServerProcess
 
 _START_TIMEOUT = 180.0  # generous: a loaded 2-core machine
 
@@ -32,27 +30,22 @@ _START_TIMEOUT = 180.0  # generous: a loaded 2-core machine
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class MlflowServer:
+class MlflowServer(ServerProcess):
     """One ``mlflow server`` process (group); ``uri`` is its tracking URI."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = _free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
-        self._proc: subprocess.Popen[bytes] | None = None
+    name = "mlflow server"
+    start_timeout = _START_TIMEOUT
 
-    def start(self) -> None:
-        assert self._proc is None, "already running"
-        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+
+    def command(self) -> list[str]:
         mlflow_bin = Path(sys.executable).with_name("mlflow")
-        command = [
+        return [
             str(mlflow_bin) if mlflow_bin.exists() else "mlflow",
             "server",
             "--host",
@@ -66,55 +59,13 @@ class MlflowServer:
             "--artifacts-destination",
             str(self.workdir / "artifacts"),
         ]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+
+    def ready(self) -> bool:
         try:
-            # Its own session: the server forks workers, and one killpg stops them all.
-            self._proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        finally:
-            log.close()
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self._proc.returncode}:\n{self._log_tail()}")
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    return
-            time.sleep(0.25)
-        self.kill()
-        raise RuntimeError(f"mlflow server not ready within {_START_TIMEOUT:g} s:\n{self._log_tail()}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Stop the server (its whole process group) by its pid and wait for it."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-3000:]
-        except OSError:
-            return "(no log)"
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except urllib.error.URLError:
+            return False
 
 
 @pytest.fixture(scope="session")

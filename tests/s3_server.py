@@ -26,10 +26,7 @@ import importlib.metadata
 import itertools
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +35,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+
+from server_process import ServerProcess
 
 _START_TIMEOUT = 60.0  # moto starts in ~1 s; generous for a loaded 2-core machine
 
@@ -68,12 +67,6 @@ def moto_version() -> str:
         return importlib.metadata.version("moto")
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _request(
@@ -139,65 +132,21 @@ def conditional_write_problem(endpoint: str, bucket: str = "safeckpt-conditional
     return "; ".join(problems) or None
 
 
-class S3Server:
+class S3Server(ServerProcess):
     """One ``moto.server`` process (group); ``endpoint`` is its URL (``AWS_ENDPOINT_URL``)."""
 
+    name = "moto server"
+    start_timeout = _START_TIMEOUT
+
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = _free_port()
+        super().__init__(workdir)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
-        self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        assert self._proc is None, "already running"
-        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        try:
-            # Its own session: one killpg stops it and anything it started.
-            self._proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            log.close()
-        self._wait_ready()
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + _START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self._proc.returncode}:\n{self._log_tail()}")
-            with contextlib.suppress(OSError):
-                if _request(self.endpoint, "GET", "/")[0] == 200:  # ListBuckets: S3 is answering
-                    return
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"moto server not ready within {_START_TIMEOUT:g} s:\n{self._log_tail()}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Stop the server (its whole process group) by its pid and wait for it."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-3000:]
-        except OSError:
-            return "(no log)"
+    def ready(self) -> bool:
+        return _request(self.endpoint, "GET", "/")[0] == 200  # ListBuckets: S3 is answering
 
 
 @dataclass(frozen=True)
