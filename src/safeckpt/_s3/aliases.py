@@ -84,12 +84,9 @@ class Aliases:
             self._plain.add(name)
             name = name.rpartition("/")[0]
 
-    def learn(self, name: str, alias: Alias | None) -> None:
-        """What a read of ``name``'s marker showed (the record read at the start of a restore)."""
-        if alias is None:
-            self._known.pop(name, None)
-        else:
-            self._known[name] = alias
+    def learn(self, name: str, alias: Alias) -> None:
+        """What ``name`` is an alias of, as this store just wrote it or read its marker."""
+        self._known[name] = alias
 
     def forget(self, name: str) -> None:
         self._known.pop(name, None)
