@@ -437,6 +437,28 @@ def test_a_second_writer_is_warned_at_open_and_refused_within_seconds(
     assert owner.exitcode == 0 and steps_on_disk(root) == [1]
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_root_taken_over_while_this_job_ran_fails_the_next_save_and_keeps_the_commits(
+    root: Path, async_save: bool
+) -> None:
+    """Another host took the root over (this job looked dead to it). ``save()`` does not ask the
+    store whether the root is still ours on the training thread: the writer thread does before it
+    writes. Either way the save fails, naming the other writer, and writes nothing."""
+    with CheckpointManager(root, async_save=async_save) as mgr:
+        mgr.save(1, consistent_state(1))
+        mgr.wait()
+        owner = json.loads((root / ".owner").read_text())
+        owner.update(host="another-host", pid=1, token="theirs", heartbeat=time.time(), writing=True)
+        (root / ".owner").write_text(json.dumps(owner))
+        with pytest.raises(CheckpointError, match="another-host") as info:
+            mgr.save(2, consistent_state(2))
+            mgr.wait()
+        assert isinstance(info.value, RootInUseError) or isinstance(info.value.__cause__, RootInUseError)
+        assert mgr.latest_step == 1
+    assert steps_on_disk(root) == [1]
+    assert json.loads((root / ".owner").read_text())["token"] == "theirs"  # theirs, untouched
+
+
 # --- 5. load and export choose as auto-resume does -----------------------------------------------------
 
 

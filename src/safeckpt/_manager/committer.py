@@ -163,10 +163,20 @@ class Committer:
 
     def _write_and_commit(self, job: SaveJob) -> None:
         parts = self._parts
-        cancel = parts.broadcast(job.cancel_requested, parts.writer, what=f"cancelling step {job.step}")
+        refused: BaseException | None = None
+        if parts.is_leader and not job.cancel_requested:
+            try:  # still the root's writer, before this save writes anything (save() did not ask)
+                self._session.ensure_writer(f"saving step {job.step}")
+            except Exception as e:
+                refused = e
+        cancel, refused_anywhere = parts.broadcast(
+            (job.cancel_requested, _portable(refused)), parts.writer, what=f"starting step {job.step}"
+        )
         self._view.start(job, cancel)
-        if cancel:
+        if cancel or refused_anywhere is not None:
             job.release_staging(self._pool)
+            if refused_anywhere is not None:
+                self._fail(job, {0: refused_anywhere}, refused)
             return
         started = time.monotonic()
         error: BaseException | None = None

@@ -89,7 +89,7 @@ class Saver:
             clean = clean_metrics(metrics)
             check_json_value(dict(extra or {}), "extra")
             if self._parts.is_leader:
-                self._session.ensure_writer(f"save(step={step})")
+                self._session.ensure_claimed(f"save(step={step})")
                 self._check_order(step, overwrite)
             try:
                 with collector_paused():  # thousands of small objects: see safeckpt._util.gc_pause

@@ -8,6 +8,7 @@ for what an owner collects.
 from __future__ import annotations
 
 import logging
+import threading
 
 from .._dist.failures import root_not_writable
 from .._format.catalog import Catalog, scan
@@ -27,7 +28,8 @@ class RootSession:
     """Rank 0's hold on one root: the sidecar lock, the owner record, the background deleter.
 
     Call rules: rank 0 only; ``open()`` once, then ``ensure_writer()`` before
-    every write and ``drain()``/``release()`` at ``close()``. ``lock``,
+    every write (``ensure_claimed()`` in ``save()``, whose writes the writer thread
+    checks) and ``drain()``/``release()`` at ``close()``. ``lock``,
     ``ownership`` and ``deleter`` are None until ``open()`` made them
     (``deleter`` until this manager owns the root).
     """
@@ -53,6 +55,7 @@ class RootSession:
         self.lock: Lock | None = None
         self.ownership: Ownership | None = None
         self.deleter: Deleter | None = None
+        self._claiming = threading.Lock()  # ensure_writer() runs on the caller's and the writer thread
 
     def open(self) -> None:
         """Claim the root if it is free, load the view.
@@ -163,6 +166,18 @@ class RootSession:
         committed = [Committed(e.path, e.record) for e in catalog.newest_first() if e.record]
         self._view.load(committed, catalog.latest_step, next_seq=catalog.next_seq)
 
+    def ensure_claimed(self, doing: str) -> None:
+        """``save()``'s check on the training thread: own the root unless this manager already does.
+
+        No storage request once this manager is the writer: the writer thread confirms it with
+        :meth:`ensure_writer` before it writes each save, so training does not wait for a
+        round trip (on object storage, a GET) in every ``save()``. A root lost since is then that
+        save's failure, raised by the next call. Errors as :meth:`ensure_writer`.
+        """
+        assert self.ownership is not None
+        if self.read_only or not self.ownership.writing:
+            self.ensure_writer(doing)
+
     def ensure_writer(self, doing: str) -> None:
         """Before anything is written: own the root, or raise an error that says why not.
 
@@ -178,16 +193,17 @@ class RootSession:
                 path=str(self.root),
             )
         assert self.ownership is not None
-        try:
-            if self.ownership.writing and self.ownership.still_ours():
-                return
-            self._remake_removed_root()
-            was_claimed = self.ownership.claimed and self.ownership.still_ours()
-            self.ownership.claim_for_writing()
-            if not was_claimed:
-                self._take_root()  # another owner held it since we opened: collect what it left
-        except OSError as e:
-            raise root_not_writable(self.root, e, doing=doing) from e
+        with self._claiming:
+            try:
+                if self.ownership.writing and self.ownership.still_ours():
+                    return
+                self._remake_removed_root()
+                was_claimed = self.ownership.claimed and self.ownership.still_ours()
+                self.ownership.claim_for_writing()
+                if not was_claimed:
+                    self._take_root()  # another owner held it since we opened: collect what it left
+            except OSError as e:
+                raise root_not_writable(self.root, e, doing=doing) from e
 
     def _remake_removed_root(self) -> None:
         """A root removed under this job is made again; what it held is gone, and is said so.

@@ -15,6 +15,7 @@ import base64
 import contextlib
 import errno
 import random
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -80,6 +81,25 @@ def crc32_header(data: bytes | memoryview) -> str:
     return base64.b64encode(crc32(data).to_bytes(4, "big")).decode()
 
 
+_loader: Any = None
+_loader_lock = threading.Lock()
+
+
+def _botocore_session() -> Any:
+    """A new botocore session (credentials and settings are read afresh for each client) that
+    shares one loader of botocore's service models: parsing them is most of a client's cost."""
+    global _loader
+    import botocore.loaders
+    import botocore.session
+
+    with _loader_lock:
+        if _loader is None:
+            _loader = botocore.loaders.create_loader()
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _loader)
+    return session
+
+
 class Client:
     """One bucket's requests (thread-safe: botocore's clients are)."""
 
@@ -100,7 +120,9 @@ class Client:
         )
         self.bucket = location.bucket
         self._attempts = settings.max_attempts
-        self._s3 = boto3.session.Session().client("s3", config=config, **dict(settings.client))
+        self._s3 = boto3.session.Session(botocore_session=_botocore_session()).client(
+            "s3", config=config, **dict(settings.client)
+        )
         self.endpoint = str(self._s3.meta.endpoint_url)
 
     # --- objects ----------------------------------------------------------------------------------

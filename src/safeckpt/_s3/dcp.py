@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .._format.checksums import FileChecksum, corrupt, crc32
+from .._storage.in_memory import place_archive
 from .._storage.placement import narrow
+from .._storage.torchsave.shapes import ArchiveShapes
 from .._storage.writer import RawFileSystemWriter
 from .._store.handle_file import HandleFile
 from .client import NotFound
@@ -135,6 +137,7 @@ class S3DcpReader(FileSystemReader):
         self._step = step
         self._metadata = metadata
         self._shown = str(store.where(directory)) if directory is not None else base
+        self._shapes = ArchiveShapes()  # data.pkl -> layout, parsed once per distinct one
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = self._metadata()
@@ -163,25 +166,30 @@ class S3DcpReader(FileSystemReader):
             info = self.storage_data[item.storage_index]
             start, end = info.offset, info.offset + info.length
             spans.append((start, end) if segments is None else segments.cover(start, end))
-        chunks = _fetch(self._store, key, _merged(spans))
-        for item, (start, end) in zip(items, spans, strict=True):
-            data = _slice(chunks, start, end)
-            if segments is not None:
-                segments.verify(start, data)
-            info = self.storage_data[item.storage_index]
-            view = data[info.offset - start : info.offset - start + info.length]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(view))
-                continue
-            tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
-            tensor = narrow(tensor, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(
-                    f"{item.storage_index}: sizes {target.size()} and {tensor.size()} differ"
-                )
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
+        # In offset order, each item as soon as its parts are in: placing one overlaps the GETs
+        # of the next.
+        order = sorted(range(len(items)), key=lambda i: spans[i])
+        with _Download(self._store, key, spans) as download:
+            for i in order:
+                item, (start, end) = items[i], spans[i]
+                data = download.wait(start, end)
+                if segments is not None:
+                    segments.verify(start, data)
+                info = self.storage_data[item.storage_index]
+                view = data[info.offset - start : info.offset - start + info.length]
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(view))
+                elif not place_archive(view, [item], planner, self._shapes):
+                    self._load_as_dcp_does(item, view, planner)
+
+    def _load_as_dcp_does(self, item: ReadItem, view: memoryview, planner: LoadPlanner) -> None:
+        tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+        tensor = narrow(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"{item.storage_index}: sizes {target.size()} and {tensor.size()} differ")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
 
 
 class _Segments:
@@ -225,33 +233,61 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _fetch(store: Any, key: str, spans: list[tuple[int, int]]) -> list[tuple[int, memoryview]]:
-    """The bytes of each span, in ranged GETs of at most one part, all in parallel, each piece
-    copied once into the span's buffer."""
-    settings = store.settings
-    part = settings.part_size
-    reader = RangeReader(store.client, key, part_size=part, concurrency=settings.max_concurrency)
-    workers = pool(settings.max_concurrency)
-    buffers = [bytearray(end - start) for start, end in spans]
+class _Download:
+    """The bytes of ``items`` (their ``(start, end)`` spans) of one object, in parallel ranged GETs
+    submitted at once; :meth:`wait` waits only for the GETs a span needs.
 
-    def fill(buffer: bytearray, at: int, offset: int, length: int) -> None:
-        data = reader.piece(offset, length)
-        if len(data) != length:
-            raise EOFError(f"{key} is shorter than its metadata says")
-        buffer[at : at + length] = data
+    An item that lies in one GET's reply is a view of it, never copied here; only one that
+    straddles two GETs is assembled. Leaving the ``with`` block cancels the GETs that have not
+    started and waits for the rest."""
 
-    futures = [
-        workers.submit(fill, buffer, s - start, s, min(part, end - s))
-        for buffer, (start, end) in zip(buffers, spans, strict=True)
-        for s in range(start, end, part)
-    ]
-    for future in futures:
-        future.result()
-    return [(start, memoryview(buffer)) for buffer, (start, _end) in zip(buffers, spans, strict=True)]
+    def __init__(self, store: Any, key: str, items: list[tuple[int, int]]) -> None:
+        settings = store.settings
+        self._key = key
+        self._client = store.client
+        self._etags: set[str] = set()  # of every reply: one, unless the object was replaced meanwhile
+        ranges = _requests(items, settings.part_size)
+        self._starts = [start for start, _ in ranges]
+        self._ranges = ranges
+        workers = pool(settings.max_concurrency)
+        self._replies = [workers.submit(self._get, start, end - start) for start, end in ranges]
+
+    def _get(self, offset: int, length: int) -> bytes:
+        got = self._client.get(self._key, start=offset, length=length)
+        self._etags.add(got.etag)
+        if len(self._etags) > 1:
+            raise NotFound(2, "the object was replaced while it was read", self._key)
+        if len(got.data) != length:
+            raise EOFError(f"{self._key} is shorter than its metadata says")
+        return got.data
+
+    def wait(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` (an item's span), once the GETs that hold them are in."""
+        first = bisect.bisect_right(self._starts, start) - 1
+        last = bisect.bisect_left(self._starts, end)
+        pieces = [(self._ranges[i][0], self._replies[i].result()) for i in range(first, last)]
+        if len(pieces) == 1:
+            at, data = pieces[0]
+            return memoryview(data)[start - at : end - at]
+        joined = bytearray(end - start)
+        for at, data in pieces:
+            lo, hi = max(start, at), min(end, at + len(data))
+            joined[lo - start : hi - start] = memoryview(data)[lo - at : hi - at]
+        return memoryview(joined)
+
+    def __enter__(self) -> _Download:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for reply in self._replies:
+            reply.cancel()
+        for reply in self._replies:
+            if not reply.cancelled():
+                with contextlib.suppress(Exception):
+                    reply.result()
 
 
-def _slice(chunks: list[tuple[int, memoryview]], start: int, end: int) -> memoryview:
-    for chunk_start, data in chunks:
-        if chunk_start <= start and end <= chunk_start + len(data):
-            return data[start - chunk_start : end - chunk_start]
-    raise AssertionError("a span outside the ranges read")
+def _requests(items: list[tuple[int, int]], part: int) -> list[tuple[int, int]]:
+    """The ranged GETs for the item spans ``items``: ranges closer than ``_GAP`` are read as one,
+    in GETs of one part each (fewer, larger GETs cost a server less than GETs cut at items)."""
+    return [(at, min(end, at + part)) for start, end in _merged(items) for at in range(start, end, part)]

@@ -8,6 +8,7 @@ serves: an ``s3://`` URL is never taken for a local directory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -71,10 +72,21 @@ def open_store(
     with _opened_lock:
         if options is None and url in _opened:
             return _opened[url]
+        same = _with_options.get((url, _options_key(options)))
+        if same is not None and ops is None:
+            _opened[url] = same
+            return same
         store = factory(url, ops=ops, options=options)
         _opened[store.url] = store
+        if ops is None:
+            _with_options[(store.url, _options_key(options))] = store
         return store
 
 
+def _options_key(options: Mapping[str, Any] | None) -> str:
+    return json.dumps(options or {}, sort_keys=True, default=repr)
+
+
 _opened: dict[str, Store] = {}  # by URL: the last store opened for it (with its options)
+_with_options: dict[tuple[str, str], Store] = {}  # by URL and options: a manager per epoch opens one
 _opened_lock = threading.Lock()
