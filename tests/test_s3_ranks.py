@@ -15,6 +15,7 @@ from torch import nn
 
 import s3_dist_worker
 import safeckpt
+from safeckpt._s3.spread import shard
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,8 +48,12 @@ def test_two_ranks_save_to_a_prefix_and_restore_their_own_shards(s3_bucket, tmp_
     url, options = s3_bucket.url("ranks/run"), s3_bucket.storage_options
     saved = _launch("save", url, tmp_path / "r", options=options)
     assert [s["latest"] for s in saved] == [3, 3] and all(not s["errors"] for s in saved)
-    keys = s3_bucket.keys()
-    assert any(k.endswith("__0_0.distcp") for k in keys) and any(k.endswith("__1_0.distcp") for k in keys)
+    # Each rank's data object one level below its save's area, under its own hashed prefix.
+    listed = s3_bucket.keys()  # every key of the bucket
+    data = [k.split("/") for k in listed if k.endswith(".distcp")]
+    assert {leaf for *_, leaf in data} == {"__0_0.distcp", "__1_0.distcp"}
+    assert all(area.startswith("step_") and hashed == shard(leaf) for *_, area, hashed, leaf in data)
+    assert len({hashed for *_, hashed, _ in data}) == 2
     restored = _launch("restore", url, tmp_path / "r", options=options)
     assert [r["step"] for r in restored] == [3, 3]
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]  # each rank its own shard

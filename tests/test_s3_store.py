@@ -17,6 +17,7 @@ import safeckpt
 from safeckpt._s3.aliases import AREA, CLAIMS
 from safeckpt._s3.client import PreconditionFailed
 from safeckpt._s3.lease import LeaseLock
+from safeckpt._s3.spread import shard
 from safeckpt._store.registry import open_store
 from safeckpt.errors import CheckpointError, ConfigError, LockTimeoutError
 
@@ -203,17 +204,18 @@ def test_a_removal_of_a_stale_alias_never_deletes_bytes_another_alias_holds(s3_b
     assert store.read_small("step_1/f", limit=10, what="x") == b"bytes"
 
 
+DATA = f"{shard('__0_0.distcp')}/__0_0.distcp"  # where rank 0's data object is, in its area
+
+
 def test_a_save_cut_before_its_commit_is_collected_with_its_unfinished_uploads(s3_bucket) -> None:  # type: ignore[no-untyped-def]
     root = s3_bucket.url("left")
     with safeckpt.CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, {"w": torch.ones(2)})
     client = s3_bucket.client()
     # What a writer killed mid-save leaves: data objects without a commit, and an upload never completed.
-    client.put_object(
-        Bucket=s3_bucket.name, Key="left/.staging/step_2.0123456789ab/__0_0.distcp", Body=b"x" * 10
-    )
+    client.put_object(Bucket=s3_bucket.name, Key=f"left/.staging/step_2.0123456789ab/{DATA}", Body=b"x" * 10)
     upload = client.create_multipart_upload(
-        Bucket=s3_bucket.name, Key="left/.staging/step_3.0123456789ab/__0_0.distcp"
+        Bucket=s3_bucket.name, Key=f"left/.staging/step_3.0123456789ab/{DATA}"
     )
     client.upload_part(
         Bucket=s3_bucket.name, Key=upload["Key"], UploadId=upload["UploadId"], PartNumber=1, Body=b"y" * 10
@@ -267,6 +269,37 @@ def test_large_files_go_up_in_parallel_parts_and_come_back_in_ranges(s3_bucket) 
     assert torch.equal(safeckpt.load(root, storage_options=options)["w"], big)
 
 
+def test_a_saves_data_objects_are_spread_over_prefixes_and_listed_at_their_names(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(s3_bucket.url("spread"))
+    names = [f"__{rank}_0.distcp" for rank in range(64)]
+    for name in names:
+        with store.open_write(f".staging/a/{name}") as stream:
+            stream.write(name.encode())
+    store.write_atomic(".staging/a/metadata.json", b"{}")
+    store.write_atomic(".staging/a/.metadata", b"dcp")
+    keys = [k.removeprefix("spread/.staging/a/") for k in _keys_under(s3_bucket, "spread/.staging/a/")]
+    data = [k.split("/") for k in keys if k.endswith(".distcp")]
+    # Every data object one level down, under its name's hash: the 64 ranks' uploads go to many prefixes.
+    assert sorted(leaf for _, leaf in data) == sorted(names) and all(len(k) == 2 for k in data)
+    assert len({hashed for hashed, _ in data}) >= 40
+    assert sorted(k for k in keys if not k.endswith(".distcp")) == [".metadata", "metadata.json"]
+    # Names, listings and reads know nothing of it, before and after the commit.
+    expected = sorted([*names, ".metadata", "metadata.json"])
+    assert [e.name for e in store.entries(".staging/a")] == expected
+    store.commit_dir(".staging/a", "step_9", displaced="unused", retired="unused2")
+    listed = store.entries("step_9")
+    assert [e.name for e in listed] == expected and all(e.kind == "file" for e in listed)
+    assert {e.name: e.size for e in listed}["__7_0.distcp"] == len(b"__7_0.distcp")
+    with store.open_read("step_9/__63_0.distcp") as handle:
+        assert bytes(handle.read(0, 13)) == b"__63_0.distcp"
+    store.remove("step_9")
+    assert not _keys_under(s3_bucket, "spread/.staging/")
+    # Outside a save's area (a DCP checkpoint some other tool wrote), keys are as named.
+    with store.open_write("theirs/__0_0.distcp") as stream:
+        stream.write(b"x")
+    assert _keys_under(s3_bucket, "spread/theirs/") == ["spread/theirs/__0_0.distcp"]
+
+
 # --- the lock ------------------------------------------------------------------------------------------
 
 
@@ -300,6 +333,7 @@ _OTHER_HOLDER = """
 import sys
 from safeckpt._store.registry import open_store
 from safeckpt._s3.lease import LeaseLock
+from safeckpt._s3.spread import shard
 from safeckpt.errors import LockTimeoutError
 store = open_store(sys.argv[1])
 try:
@@ -314,6 +348,7 @@ _DIE_HOLDING = """
 import os, signal, sys
 from safeckpt._store.registry import open_store
 from safeckpt._s3.lease import LeaseLock
+from safeckpt._s3.spread import shard
 store = open_store(sys.argv[1])
 LeaseLock(store.client, store.aliases.key(".lock"), url="dying", timeout=5, lease=3).acquire()
 os.kill(os.getpid(), signal.SIGKILL)

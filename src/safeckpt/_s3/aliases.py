@@ -29,6 +29,7 @@ from urllib.parse import quote, unquote
 from .._format.layout import RECORD_NAME
 from .._store.base import join
 from .client import Client, NotFound
+from .spread import Spread
 
 AREA = "safeckpt-area"  # the marker's user metadata (x-amz-meta-safeckpt-area): the area's name
 DIR_MARK = ".dir"
@@ -51,6 +52,7 @@ class Aliases:
     def __init__(self, client: Client, prefix: str) -> None:
         self._client = client
         self._prefix = prefix
+        self.spread = Spread(prefix)
         self._known: dict[str, Alias] = {}  # found since: a reader holds a record before its bytes
         self._plain: set[str] = set()  # made here as plain directories: never an alias (no HEADs)
 
@@ -95,7 +97,8 @@ class Aliases:
 
     def file_key(self, name: str, *, fresh: bool = False) -> str:
         """The object key of file ``name``: under the area of the nearest directory on its way that
-        is an alias, the marker itself for an alias's record, else the name as it is. An alias
+        is an alias, the marker itself for an alias's record, else the name as it is (a data file
+        of a save's area one level lower, see :mod:`.spread`). An alias
         already found is trusted (``fresh`` looks again): a reader found it reading the record it
         holds, and a copy replaced since is told apart by that record (its files are gone or differ)."""
         parts = name.split("/")
@@ -106,8 +109,8 @@ class Aliases:
                 rest = "/".join(parts[i:])
                 if rest == alias.marker:
                     return self.key(name)
-                return self.key(join(alias.area, rest))
-        return self.key(name)
+                return self.spread.key(self.key(join(alias.area, rest)))
+        return self.spread.key(self.key(name))
 
     def dir_key(self, name: str, *, fresh: bool = True) -> tuple[str, Alias | None]:
         """The key prefix (ending in ``/``, or the root's) of directory ``name``, and its alias."""

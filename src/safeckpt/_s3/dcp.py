@@ -65,7 +65,7 @@ class S3FileSystem(FileSystemBase):
             raise ValueError(f"unsupported mode {mode!r}")
 
     def concat_path(self, path: Any, suffix: str) -> str:
-        return f"{path}/{suffix}"
+        return self.store.aliases.spread.key(f"{path}/{suffix}")  # a save's data files are spread
 
     def rename(self, path: Any, new_path: Any) -> None:
         got = self.store.client.get(str(path))
@@ -157,7 +157,7 @@ class S3DcpReader(FileSystemReader):
         return done
 
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        key = f"{self.path}/{name}"
+        key = self.fs.concat_path(self.path, name)
         shown = f"{self._shown}/{name}"  # how errors name the file: as the user names the checkpoint
         checksum = None if self._checksums is None else self._checksums.get(name)
         segments = None if checksum is None else _Segments(checksum, shown, self._step)

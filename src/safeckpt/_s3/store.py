@@ -35,6 +35,7 @@ from .client import Client, NotFound, PreconditionFailed
 from .errors import explain_error
 from .lease import LeaseLock
 from .location import Location, Settings, parse_url, settings
+from .spread import Spread
 from .transfer import RangeReader, UploadStream
 
 LOCK_NAME = ".lock"
@@ -67,6 +68,12 @@ class S3Store:
         _check(name)
         base, alias = self.aliases.dir_key(name)
         objects, prefixes = self.client.list(base)
+        spread = self.aliases.spread
+        if any(spread.is_shard(p) for p in prefixes):
+            # A save's data files, one level down (see .spread): listed where their names put them.
+            below, _ = self.client.list(base, delimiter=None)
+            objects += [(spread.name(key), size) for key, size in below if spread.name(key) != key]
+            prefixes = [p for p in prefixes if not _only_spread(spread, p, below)]
         out: dict[str, Entry] = {}
         for key, size in objects:
             entry_name = key[len(base) :]
@@ -75,9 +82,9 @@ class S3Store:
         if alias is None and prefixes:  # committed areas among the subdirectories are not shown
             hidden |= {leaf(a) for a in self.aliases.held_under(name)}
         for upload_key, _ in self.client.uploads(base):
-            first = upload_key[len(base) :].split("/")[0]
-            if "/" in upload_key[len(base) :]:
-                prefixes.append(base + first + "/")
+            rest = spread.name(upload_key)[len(base) :]
+            if "/" in rest:
+                prefixes.append(base + rest.split("/")[0] + "/")
         for prefix in prefixes:
             entry_name = prefix[len(base) :].rstrip("/")
             if entry_name not in hidden:
@@ -338,6 +345,11 @@ class S3Store:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+def _only_spread(spread: Spread, prefix: str, below: list[tuple[str, int]]) -> bool:
+    """Whether every object under ``prefix`` is a spread data file (the shard is no directory)."""
+    return all(spread.name(key) != key for key, _ in below if key.startswith(prefix))
 
 
 def _nothing() -> None:
