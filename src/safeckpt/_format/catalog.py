@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .._store.base import Store
@@ -93,7 +94,7 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     regular files), so it is safe on a root another job is writing.
     """
     layout = Layout(as_root(root))
-    entries = [_entry(step, path) for step, path in layout.committed_dirs()]
+    entries = _entries(layout.committed_dirs(), layout.store.small_reads_at_once)
     present = {e.step for e in entries}
     trash = tuple(layout.trash_entries())
     for path in trash:
@@ -145,6 +146,14 @@ def _settled(catalog: Catalog) -> bool:
     if catalog.latest_name is None and catalog.committed:
         return False  # a first commit: its directory is in place, `latest` not yet
     return all(e.committed or e.path.entry() is not None for e in catalog.entries)
+
+
+def _entries(dirs: list[tuple[int, Loc]], at_once: int) -> list[Entry]:
+    """The entries of ``dirs``, their records read ``at_once`` at a time."""
+    if at_once < 2 or len(dirs) < 2:
+        return [_entry(step, path) for step, path in dirs]
+    with ThreadPoolExecutor(min(at_once, len(dirs)), thread_name_prefix="safeckpt-scan") as pool:
+        return list(pool.map(lambda d: _entry(*d), dirs))
 
 
 def _entry(step: int, path: Loc) -> Entry:

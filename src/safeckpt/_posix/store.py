@@ -42,6 +42,7 @@ class PosixStore:
         self.root = Path(root).absolute()
         self.ops = ops or DEFAULT_FILE_OPS
         self.url = str(self.root)
+        self.small_reads_at_once = 1
 
     def __repr__(self) -> str:
         return f"PosixStore({str(self.root)!r})"

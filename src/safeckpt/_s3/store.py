@@ -50,6 +50,7 @@ class S3Store:
         self.location: Location = parse_url(str(root))
         self.settings: Settings = settings(options)
         self.url = self.location.url
+        self.small_reads_at_once = 8  # each a round trip: a scan's records are read side by side
         self.client = Client(self.location, self.settings)
         self.aliases = Aliases(self.client, self.location.prefix)
         self._pointers: dict[str, str | None] = {}  # ETag of each pointer as last read or written

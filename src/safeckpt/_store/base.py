@@ -126,6 +126,9 @@ class Store(Protocol):
 
     url: str
     """How a person names the root: a local path, or a URL."""
+    small_reads_at_once: int
+    """How many small reads (records, markers) to have in flight together: 1 where a read is a
+    system call, more where each is a network round trip."""
 
     def where(self, name: str = "") -> Path | str:
         """``name`` as a person names it (a ``Path`` for a local root), for messages and results."""
