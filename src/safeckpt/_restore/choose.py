@@ -247,9 +247,12 @@ def choose_checkpoint(
     if step is not None:
         return _explicit_step(layout, step)
     skipped: set[int] = set()  # damaged, found here
-    for _ in range(REREADS):
+    for attempt in range(REREADS):
         catalog = scan(layout.root)
         found, pruned = _newest_whole(catalog, set(exclude) | skipped, skipped, on_damaged)
+        if found is None and not pruned and _caught_moving(catalog):
+            time.sleep(0.005 * 2**attempt)  # a commit and a prune: settled within milliseconds
+            continue
         if found is not None:
             if skipped or exclude:
                 logger.warning(
@@ -264,6 +267,13 @@ def choose_checkpoint(
         if not entry.committed and entry.step not in exclude and entry.path.entry() is not None:
             logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
+
+
+def _caught_moving(catalog: Catalog) -> bool:
+    """Whether a scan that found no commit may have caught the writer between a commit and the
+    prune after it: a directory's listing can miss the new checkpoint renamed in, and its stat
+    the old one renamed out. ``latest`` naming a step says a commit was there."""
+    return not catalog.committed and catalog.latest_name is not None
 
 
 def _newest_whole(
