@@ -11,14 +11,18 @@ import dataclasses
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .._store.base import Store
 from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 from .layout import DAMAGED_NOTE, REPLACED, Layout, parse_step_dirname, parse_trash_name
 from .record import Record, missing_or_wrong_files, read_record
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,28 +95,64 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     """Read every record under ``root``. A directory with a bad record is listed with its problem.
 
     Reads only (never follows a link out of the root, never opens anything but
-    regular files), so it is safe on a root another job is writing.
+    regular files), so it is safe on a root another job is writing. The step
+    directories are listed first and ``latest`` read last (see :func:`settled_scan`);
+    in between, on a store where each read is a round trip, the records and the
+    other listings are read side by side.
     """
     layout = Layout(as_root(root))
-    entries = _entries(layout.committed_dirs(), layout.store.small_reads_at_once)
-    present = {e.step for e in entries}
-    trash = tuple(layout.trash_entries())
-    for path in trash:
-        parsed = parse_trash_name(path.name)
-        if parsed is None or parsed[1] != REPLACED or parsed[0] in present:
-            continue
-        entry = _entry(parsed[0], path)
-        if entry.committed:
-            entries.append(dataclasses.replace(entry, displaced=True))
-            present.add(entry.step)
+    dirs = layout.committed_dirs()
+    with _Reads(layout.store.small_reads_at_once) as reads:
+        staging = reads.submit(layout.staging_entries)
+        damaged = reads.submit(layout.damaged_entries)
+        trash_listed = reads.submit(layout.trash_entries)
+        records = [reads.submit(_entry, step, path) for step, path in dirs]
+        entries = [r.result() for r in records]
+        trash = tuple(trash_listed.result())
+        present = {e.step for e in entries}
+        displaced = []
+        for path in trash:
+            parsed = parse_trash_name(path.name)
+            if parsed is not None and parsed[1] == REPLACED and parsed[0] not in present:
+                present.add(parsed[0])
+                displaced.append(reads.submit(_entry, parsed[0], path))
+        for found in displaced:
+            entry = found.result()
+            if entry.committed:
+                entries.append(dataclasses.replace(entry, displaced=True))
+        staging_found, damaged_found = tuple(staging.result()), tuple(damaged.result())
     return Catalog(
         layout=layout,
         entries=tuple(sorted(entries, key=lambda e: e.step)),
         latest_name=layout.store.read_pointer(layout.latest_path.key),
-        staging=tuple(layout.staging_entries()),
+        staging=staging_found,
         trash=trash,
-        damaged=tuple(layout.damaged_entries()),
+        damaged=damaged_found,
     )
+
+
+class _Reads:
+    """Reads run ``at_once`` at a time on a pool, or one by one as they are submitted (1)."""
+
+    def __init__(self, at_once: int) -> None:
+        self._pool = ThreadPoolExecutor(at_once, thread_name_prefix="safeckpt-scan") if at_once > 1 else None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+    def __enter__(self) -> _Reads:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 # Waits between the scans of settled_scan(): a commit moves `latest` and prunes within
@@ -146,14 +186,6 @@ def _settled(catalog: Catalog) -> bool:
     if catalog.latest_name is None and catalog.committed:
         return False  # a first commit: its directory is in place, `latest` not yet
     return all(e.committed or e.path.entry() is not None for e in catalog.entries)
-
-
-def _entries(dirs: list[tuple[int, Loc]], at_once: int) -> list[Entry]:
-    """The entries of ``dirs``, their records read ``at_once`` at a time."""
-    if at_once < 2 or len(dirs) < 2:
-        return [_entry(step, path) for step, path in dirs]
-    with ThreadPoolExecutor(min(at_once, len(dirs)), thread_name_prefix="safeckpt-scan") as pool:
-        return list(pool.map(lambda d: _entry(*d), dirs))
 
 
 def _entry(step: int, path: Loc) -> Entry:

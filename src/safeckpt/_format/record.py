@@ -331,11 +331,14 @@ def missing_or_wrong_files(checkpoint_dir: Loc | str | os.PathLike[str], record:
     """What makes ``checkpoint_dir`` disagree with its record; empty when complete.
 
     Stats only (``lstat``): a FIFO or a link where a file should be is a problem, never a hang.
+    One listing of the directory, not a look per file: on object storage each look is a round
+    trip, and a checkpoint has a file per rank.
     """
     directory = as_loc(checkpoint_dir)
+    listed = {e.name: e for e in directory.store.entries(directory.key)}
     problems = []
     for rel, size in sorted(record.files.items()):
-        entry = (directory / rel).entry()
+        entry = listed.get(rel) if "/" not in rel else (directory / rel).entry()
         if entry is None:
             problems.append(f"{rel} is missing")
         elif entry.kind != FILE:

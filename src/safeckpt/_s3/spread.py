@@ -59,8 +59,3 @@ class Spread:
         ):
             return f"{parent}/{leaf}"
         return key
-
-    def is_shard(self, prefix: str) -> bool:
-        """Whether a sub-prefix (ending in ``/``) of a listing may hold spread data files."""
-        directory, _, hashed = prefix.rstrip("/").rpartition("/")
-        return bool(_SHARD.fullmatch(hashed)) and self.applies(f"{directory}/x")

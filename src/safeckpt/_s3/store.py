@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._format.layout import RECORD_NAME
@@ -68,13 +69,14 @@ class S3Store:
     def entries(self, name: str = "") -> list[Entry]:
         _check(name)
         base, alias = self.aliases.dir_key(name)
-        objects, prefixes = self.client.list(base)
         spread = self.aliases.spread
-        if any(spread.is_shard(p) for p in prefixes):
-            # A save's data files, one level down (see .spread): listed where their names put them.
-            below, _ = self.client.list(base, delimiter=None)
-            objects += [(spread.name(key), size) for key, size in below if spread.name(key) != key]
-            prefixes = [p for p in prefixes if not _only_spread(spread, p, below)]
+        in_area = spread.applies(base + "-")  # a save's area, or below: its data files one level down
+        with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-s3-list") as beside:
+            unfinished = beside.submit(self.client.uploads, base)  # one round trip, not two
+            objects, prefixes = self.client.list(base, delimiter=None if in_area else "/")
+            uploads = unfinished.result()
+        if in_area:  # everything below, in one listing: each object at its name, deeper ones as dirs
+            objects, prefixes = _one_level(spread, base, objects)
         out: dict[str, Entry] = {}
         for key, size in objects:
             entry_name = key[len(base) :]
@@ -82,7 +84,7 @@ class S3Store:
         hidden = {CLAIMS} if not name else set()
         if alias is None and prefixes:  # committed areas among the subdirectories are not shown
             hidden |= {leaf(a) for a in self.aliases.held_under(name)}
-        for upload_key, _ in self.client.uploads(base):
+        for upload_key, _ in uploads:
             rest = spread.name(upload_key)[len(base) :]
             if "/" in rest:
                 prefixes.append(base + rest.split("/")[0] + "/")
@@ -348,9 +350,20 @@ class S3Store:
         time.sleep(seconds)
 
 
-def _only_spread(spread: Spread, prefix: str, below: list[tuple[str, int]]) -> bool:
-    """Whether every object under ``prefix`` is a spread data file (the shard is no directory)."""
-    return all(spread.name(key) != key for key, _ in below if key.startswith(prefix))
+def _one_level(
+    spread: Spread, base: str, below: list[tuple[str, int]]
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """Objects and sub-prefixes directly under ``base``, from every object below it (a spread data
+    file counted at its name)."""
+    objects, prefixes = [], set()
+    for key, size in below:
+        name = spread.name(key)
+        rest = name[len(base) :]
+        if "/" in rest:
+            prefixes.add(base + rest.split("/")[0] + "/")
+        else:
+            objects.append((name, size))
+    return objects, sorted(prefixes)
 
 
 def _nothing() -> None:
