@@ -55,6 +55,9 @@ class Record:
     before format 2, whose bytes cannot be verified."""
     seq: int | None = None
     """The commit sequence: commits are ordered by it, never by step or mtime (None before format 2)."""
+    uploaded: Mapping[str, Any] | None = None
+    """With two tiers (``local_dir=``): on the durable copy, when it was uploaded (``at``) and from
+    where (``from``); on the local copy, once its upload committed, when and ``to`` where."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +77,7 @@ class Record:
             "library_version": self.library_version,
             "torch_version": self.torch_version,
             "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
+            **({} if self.uploaded is None else {"uploaded": dict(self.uploaded)}),
         }
 
     @classmethod
@@ -126,6 +130,7 @@ class Record:
                 format_version=_int(data.get("format_version", 1)),
                 checksums=checksums,
                 seq=None if seq is None else _int(seq),
+                uploaded=_optional_dict(data.get("uploaded")),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(

@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,11 @@ class Committer:
         registration: RegistrationWorker | None,
         registration_timeout: float,
         io: IOOptions,
+        on_commit: Callable[[Committed], None] | None = None,
+        holds: Callable[[], frozenset[int]] | None = None,
     ) -> None:
+        """``on_commit``: told about each commit (rank 0, after it); ``holds``: steps that pruning
+        keeps for now (local commits not uploaded yet)."""
         self.root = root
         self.retention = retention
         self.policy = with_pinned(retention)
@@ -96,6 +100,9 @@ class Committer:
         self._registration = registration
         self.registration_timeout = registration_timeout
         self._io = io
+        self._on_commit = on_commit
+        self._holds = holds
+        self._held_back: set[int] = set()  # steps retention drops, kept for now (see prune)
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
         self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
         self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
@@ -231,6 +238,9 @@ class Committer:
         if parts.is_leader:
             try:  # bookkeeping after a commit never fails it (it is retried at the next one)
                 self._register(job.step)
+                committed = self._view.get(job.step)
+                if self._on_commit is not None and committed is not None:
+                    self._on_commit(committed)
                 self.prune()
             except Exception as e:
                 logger.warning(
@@ -384,17 +394,16 @@ class Committer:
         assert self._lock is not None
         self._refresh_pins()
         registering = self._registration.pending_steps() if self._registration is not None else frozenset()
-        drop = self._view.prune_plan(self.policy, held=registering)
-        if registering:
-            held = self._view.prune_plan(self.policy) - drop
-            if held - self._held_for_registration:
-                logger.info(
-                    "safeckpt: keeping step(s) %s until their registration ends",
-                    ", ".join(map(str, sorted(held))),
-                )
-            self._held_for_registration = set(held)
-        else:
-            self._held_for_registration = set()
+        uploading = self._holds() if self._holds is not None else frozenset()
+        drop = self._view.prune_plan(self.policy, held=registering | uploading)
+        held = self._view.prune_plan(self.policy) - drop if registering or uploading else frozenset()
+        if (held & registering) - self._held_for_registration:
+            logger.info(
+                "safeckpt: keeping step(s) %s until their registration ends",
+                ", ".join(map(str, sorted(held & registering))),
+            )
+        self._held_for_registration = set(held & registering)
+        self._held_back = set(held)
         if drop:
             self._warn_narrower_retention(drop)
         removed = []
@@ -405,7 +414,7 @@ class Committer:
             except OSError as e:
                 logger.warning("safeckpt: could not prune step %d (%s); will retry", step, e)
         if removed:
-            logger.info("safeckpt: pruned step(s) %s", ", ".join(map(str, removed)))
+            logger.info("safeckpt: pruned step(s) %s of %s", ", ".join(map(str, removed)), self.root)
             assert self._deleter is not None
             self._deleter.schedule()
 
@@ -436,8 +445,8 @@ class Committer:
         )
 
     def prune_held_back(self) -> None:
-        """Rank 0 at ``close()``, after the registrations ended: prune what they held back."""
-        if not self._held_for_registration or self._deleter is None:
+        """Rank 0 at ``close()``, after the registrations and uploads ended: prune what they held back."""
+        if not self._held_back or self._deleter is None:
             return
         try:
             self.prune()

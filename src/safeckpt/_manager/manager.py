@@ -21,6 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from .._restore.restored import Restored
 from .._store.registry import open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
+from .durable import DurableTier
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
 from .wiring import wire
@@ -96,6 +98,16 @@ class CheckpointManager:
         process_group: the ranks that checkpoint together (e.g. one pipeline
             stage); every rank of it, and only those, creates the manager. None:
             every rank of the default group.
+        local_dir: a fast local directory (node-local NVMe) as a first tier: each save commits
+            there, with the same protocol, and is then uploaded to ``root`` (the durable tier) in
+            the background, in commit order, where it is committed again. ``restore()`` takes the
+            newest commit of either tier, the local copy only if every byte of it verifies. See
+            ``docs/tiers.md``. One process only, for now.
+        local_retention: which checkpoints ``local_dir`` keeps (default: the last 2); ``retention``
+            is then the durable tier's. A local checkpoint is never pruned before its upload
+            committed.
+        upload_timeout: how long ``close()`` waits for uploads still running or queued; it stops
+            waiting at a failed try (the next start uploads what is left).
 
     Call ``save``, ``wait``, ``flush``, ``restore`` and ``close`` on every rank,
     in the same order. ``close()`` waits for queued saves; the manager is also a
@@ -125,23 +137,30 @@ class CheckpointManager:
         direct_io: bool | None = None,
         dcp_io: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_retention: Retention | Policy | None = None,
+        upload_timeout: float = 3600.0,
     ) -> None:
         positive_int("queue_depth", queue_depth)
         lock_timeout = positive_seconds("lock_timeout", lock_timeout)
         positive_seconds("timeout", timeout)
         positive_seconds("retry_interval", retry_interval)
         drain_timeout = seconds("drain_timeout", drain_timeout)
-        if retention is not None and not (isinstance(retention, Retention) or is_policy(retention)):
-            raise ConfigError(
-                f"retention must be a safeckpt.Retention or a Policy (an object with keep(infos) and "
-                f"reason()), got {type(retention).__name__}."
-            )
+        for name, policy in (("retention", retention), ("local_retention", local_retention)):
+            if policy is not None and not (isinstance(policy, Retention) or is_policy(policy)):
+                raise ConfigError(
+                    f"{name} must be a safeckpt.Retention or a Policy (an object with keep(infos) and "
+                    f"reason()), got {type(policy).__name__}."
+                )
+        if local_dir is None and local_retention is not None:
+            raise ConfigError("local_retention= is the retention of local_dir=; pass local_dir= too.")
         if schedule is not None and not isinstance(schedule, SaveSchedule):
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         store = open_store(root, ops=file_ops, options=storage_options)
         self.root = store.where("")
+        self.local_dir = None if local_dir is None else _local_dir(local_dir, self.root)
         self.read_only = bool(read_only)
         self.async_save = async_save
         self.retention = retention if retention is not None else Retention()
@@ -149,14 +168,36 @@ class CheckpointManager:
         self.drain_timeout = drain_timeout
         self.registrar = registrar
         self.registration_timeout = positive_seconds("registration_timeout", registration_timeout)
+        self.upload_timeout = positive_seconds("upload_timeout", upload_timeout)
         self.schedule = schedule
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
         parts = Participants.create(timeout=timeout, group=process_group)
+        durable = None
+        if self.local_dir is not None:
+            if parts.world_size > 1 or registrar is not None:
+                parts.release()
+                raise ConfigError(
+                    "local_dir= works with one process and no registrar, for now; for several ranks "
+                    "or a registrar, save to the root directly (without local_dir=)."
+                )
+            durable = DurableTier(
+                store,
+                parts,
+                self.retention,
+                read_only=self.read_only,
+                lock_timeout=lock_timeout,
+                retry_interval=retry_interval,
+                io=io,
+            )
+            store = open_store(self.local_dir, ops=file_ops)
+        self.local_retention: Retention | Policy | None = None
+        if durable is not None:
+            self.local_retention = local_retention if local_retention is not None else Retention(keep_last=2)
         w = wire(
             store,
             parts,
-            retention=self.retention,
+            retention=self.local_retention or self.retention,
             schedule=schedule,
             signals=signals,
             async_save=async_save,
@@ -168,7 +209,9 @@ class CheckpointManager:
             registrar=registrar,
             registration_timeout=self.registration_timeout,
             io=io,
+            durable=durable,
         )
+        self._durable, self._uploader = durable, w.uploader
         self._parts, self._view, self._session, self._outcomes = parts, w.view, w.session, w.outcomes
         self._committer, self._resumer, self._triggers, self._pins = (
             w.committer,
@@ -207,11 +250,17 @@ class CheckpointManager:
             self._check_open()
             self._saver.save(step, state, metrics=metrics, extra=extra, overwrite=overwrite)
 
-    def wait(self) -> None:
-        """Block until every queued save is committed (or failed); raise a failure once."""
+    def wait(self, *, durable: bool = False) -> None:
+        """Block until every queued save is committed (or failed); raise a failure once.
+
+        ``durable=True`` (with ``local_dir``): also until every local commit is uploaded and
+        committed in the durable tier.
+        """
         self._check_open()
         if self._writer is not None:
             self._writer.wait_idle()
+        if durable and self._uploader is not None:
+            self._uploader.wait()
         self._outcomes.conclude(None, what="wait()")
 
     def flush(self) -> None:
@@ -345,10 +394,15 @@ class CheckpointManager:
         if self._writer is not None:
             attempt(self._writer.close)
         attempt(self._committer.close_registration)
+        if self._uploader is not None:
+            attempt(self._close_uploads)
         attempt(self._committer.prune_held_back)
         self._plans.forget()
         attempt(lambda: self._session.drain(self.drain_timeout))
         errors.extend(self._session.release())
+        if self._durable is not None:
+            attempt(lambda: self._durable.drain(self.drain_timeout))
+            errors.extend(self._durable.release())
         _unregister_atexit(self._atexit)
         # only now, with the last save durable: a second SIGTERM during it only set the flag
         attempt(self._signals.restore)
@@ -360,6 +414,22 @@ class CheckpointManager:
             # during the join) keeps them until exit
             if self._writer is None or not self._writer.alive:
                 self._parts.release()
+
+    def _close_uploads(self) -> None:
+        """Wait for the uploads while they succeed; what is left is uploaded by the next start."""
+        assert self._uploader is not None
+        left = self._uploader.close(self.upload_timeout)
+        if left:
+            logger.warning(
+                "safeckpt: step(s) %s of %s are committed in %s but not uploaded to %s; the next start "
+                "with local_dir=, or `safeckpt upload %s --local-dir %s`, uploads them",
+                ", ".join(map(str, left)),
+                self.root,
+                self.local_dir,
+                self.root,
+                self.root,
+                self.local_dir,
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -391,6 +461,20 @@ class CheckpointManager:
             self.root,
         )
         self._writer.wait_idle(timeout=self._parts.timeout)
+
+
+def _local_dir(local_dir: str | os.PathLike[str], root: Any) -> Path:
+    text = os.fspath(local_dir)
+    if "://" in text:
+        raise ConfigError(
+            f"local_dir={text!r} is a URL; it must be a directory on this machine's disk (the fast "
+            "tier). The durable tier is the root.",
+            path=text,
+        )
+    path = Path(text).absolute()
+    if str(path) == str(root):
+        raise ConfigError(f"local_dir= is the root itself ({path}); pass a different directory.", path=text)
+    return path
 
 
 def _register_atexit(manager: CheckpointManager) -> Any:

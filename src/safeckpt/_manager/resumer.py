@@ -36,6 +36,7 @@ from .._restore.choose import (
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
 from .._restore.restored import Restored
+from .._restore.tiers import choose_across
 from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
@@ -73,11 +74,14 @@ class Resumer:
         outcomes: Outcomes,
         save_rng: bool,
         io: IOOptions,
+        durable: Layout | None = None,
     ) -> None:
+        """``durable``: with two tiers, the durable root (``layout`` is then the local tier)."""
         self.root = root
         self.save_rng = save_rng
         self._parts = parts
         self._layout = layout
+        self._tiers = [layout] if durable is None else [layout, durable]
         self._session = session
         self._damaged = damaged
         self._outcomes = outcomes
@@ -111,7 +115,7 @@ class Resumer:
     ) -> Restored:
         step = validate_or_none(step)
         auto = step is None and path is None
-        excluded: set[int] = set()
+        excluded: list[set[int]] = [set() for _ in self._tiers]  # per tier: steps found unloadable
         filled: list[int] = []  # steps that failed while being read, after filling part of the state
         rereads = 0
         try:
@@ -136,8 +140,10 @@ class Resumer:
                 if outcome == _LOADED:
                     break
                 if outcome == _SKIP:
-                    excluded.add(record.step)
-                    self._note_unloadable(directory, record, report)
+                    tier = self._tier_of(directory)
+                    excluded[tier].add(record.step)
+                    if tier == 0:  # the manager moves aside only what is in its own root
+                        self._note_unloadable(directory, record, report)
                     continue
                 rereads += 1
                 if rereads > REREADS:
@@ -214,22 +220,32 @@ class Resumer:
         with using_io(self._io):
             return load_state(self._layout.root, step=validate_or_none(step))
 
+    def _tier_of(self, directory: Loc) -> int:
+        return next((i for i, t in enumerate(self._tiers) if t.store is directory.store), 0)
+
+    def _choose_here(
+        self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
+    ) -> tuple[Loc, Record] | None:
+        if len(self._tiers) > 1:
+            return choose_across(
+                self._tiers, step, path, excluded=excluded, on_damaged=self._damaged_at_choice
+            )
+        return choose_checkpoint(
+            self._layout, step, path, exclude=excluded[0], on_damaged=self._damaged_at_choice
+        )
+
     def _choose(
-        self, step: int | None, path: str | os.PathLike[str] | None, excluded: set[int]
+        self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
     ) -> tuple[Loc, Record] | None:
         """Rank 0 chooses; every rank gets the same choice, or the same error."""
         parts = self._parts
         if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
-            return choose_checkpoint(
-                self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
-            )
+            return self._choose_here(step, path, excluded)
         choice: tuple[str, dict[str, Any]] | None = None
         error: BaseException | None = None
         if parts.is_leader:
             try:
-                found = choose_checkpoint(
-                    self._layout, step, path, exclude=excluded, on_damaged=self._damaged_at_choice
-                )
+                found = self._choose_here(step, path, excluded)
                 choice = None if found is None else (found[0], found[1].to_json())
             except Exception as e:
                 error = e
@@ -266,9 +282,12 @@ class Resumer:
         if auto and all(is_damage(e) for e in failed.values()):
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             logger.warning(
-                "safeckpt: step %d cannot be loaded (%s); falling back to the commit before it",
+                "safeckpt: step %d cannot be loaded (%s); falling back to %s",
                 record.step,
                 why,
+                "the next copy (its durable one, or an older commit)"
+                if len(self._tiers) > 1 and self._tier_of(directory) == 0
+                else "the commit before it",
             )
             return _SKIP, why
         if not self._parts.distributed:

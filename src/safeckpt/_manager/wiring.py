@@ -25,6 +25,7 @@ from .._store.loc import Loc
 from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
+from .durable import DurableTier
 from .outcomes import Outcomes
 from .pins import Pins
 from .preemption import PreemptionHandlers
@@ -33,6 +34,7 @@ from .saver import Saver
 from .saves import SaveView
 from .session import RootSession
 from .triggers import Triggers
+from .uploads import Uploader
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Wiring:
     writer: BackgroundWriter | None
     plans: SavePlans
     state_cache: StateCache
+    uploader: Uploader | None
 
 
 def wire(
@@ -69,8 +72,14 @@ def wire(
     registrar: Registrar | None,
     registration_timeout: float,
     io: IOOptions,
+    durable: DurableTier | None = None,
 ) -> Wiring:
-    """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails."""
+    """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails.
+
+    With ``durable`` (two tiers), ``store`` is the local tier: saves commit there, and each commit
+    is uploaded to ``durable``, which rank 0 opens too; commits of an earlier run that were not
+    uploaded are uploaded before this returns (or queued, if the durable tier cannot be reached).
+    """
     layout = Layout(Loc(store))
     root = layout.root.where
     view = SaveView()
@@ -88,9 +97,14 @@ def wire(
     outcomes = Outcomes(parts, view)
     error: BaseException | None = None
     registration: RegistrationWorker | None = None
+    uploader: Uploader | None = None
     if parts.is_leader:
         try:
             session.open()
+            if durable is not None:
+                durable.open()
+                assert session.lock is not None
+                uploader = Uploader(durable, view, session.lock, retry_interval=retry_interval)
             if registrar is not None and not read_only:
                 assert session.lock is not None
                 registration = RegistrationWorker(
@@ -115,7 +129,12 @@ def wire(
         registration=registration,
         registration_timeout=registration_timeout,
         io=io,
+        on_commit=uploader.submit if uploader is not None else None,
+        holds=uploader.pending_steps if uploader is not None else None,
     )
+    owns_local = session.ownership is not None and session.ownership.claimed
+    if uploader is not None and not read_only and owns_local:  # a live job's own commits are its own
+        uploader.upload_earlier(view.committed())
     writer = BackgroundWriter(committer.persist, on_crash=committer.crashed) if async_save else None
     triggers = Triggers(parts, schedule, signals)
     resumer = Resumer(
@@ -127,6 +146,7 @@ def wire(
         outcomes=outcomes,
         save_rng=save_rng,
         io=io,
+        durable=durable.layout if durable is not None else None,
     )
     pins = Pins(root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes)
     saver = Saver(
@@ -146,5 +166,17 @@ def wire(
         state_cache=state_cache,
     )
     return Wiring(
-        view, session, outcomes, committer, resumer, triggers, pins, saver, pool, writer, plans, state_cache
+        view,
+        session,
+        outcomes,
+        committer,
+        resumer,
+        triggers,
+        pins,
+        saver,
+        pool,
+        writer,
+        plans,
+        state_cache,
+        uploader,
     )

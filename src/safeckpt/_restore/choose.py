@@ -229,6 +229,7 @@ def choose_checkpoint(
     *,
     exclude: Collection[int] = (),
     on_damaged: Callable[[Loc, Record | None, Exception], None] | None = None,
+    announce: bool = True,
 ) -> tuple[Loc, Record] | None:
     """Rank 0: the checkpoint to restore, or None for a fresh start.
 
@@ -237,7 +238,8 @@ def choose_checkpoint(
     with ``overwrite=True`` respects) that is whole, skipping damaged ones and
     ``exclude`` with a warning (and telling ``on_damaged`` about each damaged
     one), and quietly skipping one pruned while it was checked. ``latest`` is
-    not consulted: it only mirrors the newest commit and may lag it by a crash.
+    not consulted: it only mirrors the newest commit and may lag it by a crash. ``announce``: warn
+    when it falls back (off where the caller has other copies to offer).
     """
     if path is not None and step is not None:
         raise ConfigError("restore(): pass step= or path=, not both.")
@@ -254,7 +256,7 @@ def choose_checkpoint(
             time.sleep(0.005 * 2**attempt)  # a commit and a prune: settled within milliseconds
             continue
         if found is not None:
-            if skipped or exclude:
+            if (skipped or exclude) and announce:
                 logger.warning(
                     "safeckpt: falling back to step %d: the newer checkpoint(s) %s cannot be loaded",
                     found[1].step,

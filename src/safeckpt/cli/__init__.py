@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from . import demo, export, gc, inspect, ls, prune, register, verify
+from . import demo, export, gc, inspect, ls, prune, register, upload, verify
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SCHEMA_VERSION, Parser, run_command
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "main",
 ]
 
-_GROUPS = (demo, ls, inspect, verify, prune, gc, export, register)
+_GROUPS = (demo, ls, inspect, verify, prune, gc, export, register, upload)
 
 
 def build_parser() -> Parser:

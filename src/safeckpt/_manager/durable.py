@@ -1,0 +1,150 @@
+"""The durable root of a run with two tiers (``local_dir=``): held, committed to and pruned as a
+manager holds its own root.
+
+Saves commit to the local tier; :mod:`.uploads` copies each commit here. An
+upload commits with the same protocol as a save made here directly (its files
+into ``.staging/``, the record, the one commit point, then ``latest``), and its
+record says when it was uploaded and from where. This root has its own
+retention, its own owner record and lock, and its own deleter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from .._dcp.options import IOOptions
+from .._dcp.plans import SavePlans
+from .._dist.participants import Participants
+from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
+from .._format.record import Record, write_record
+from .._policy.retention import Policy, Retention
+from .._root.copy import copy_checkpoint
+from .._root.removal import collect_abandoned_staging
+from .._store.base import Store
+from .._store.loc import Loc
+from .committer import Committer
+from .damaged import DamagedCommits
+from .outcomes import Outcomes
+from .saves import Committed, SaveView
+from .session import RootSession
+
+
+class DurableTier:
+    """Rank 0's hold on the durable root. Call rules: :meth:`open` once; :meth:`upload` from one
+    thread at a time (the upload thread, or start-up before it runs)."""
+
+    def __init__(
+        self,
+        store: Store,
+        parts: Participants,
+        retention: Retention | Policy,
+        *,
+        read_only: bool,
+        lock_timeout: float,
+        retry_interval: float,
+        io: IOOptions,
+    ) -> None:
+        self.layout = Layout(Loc(store))
+        self.root = self.layout.root.where
+        self.view = SaveView()
+        self.session = RootSession(
+            self.layout,
+            self.view,
+            DamagedCommits(self.layout, self.view),
+            read_only=read_only,
+            lock_timeout=lock_timeout,
+            retry_interval=retry_interval,
+        )
+        # The durable root's pruning is a manager's: the same rules, held by the same checks.
+        self._pruner = Committer(
+            self.root,
+            retention,
+            parts=parts,
+            plans=SavePlans(),
+            layout=self.layout,
+            view=self.view,
+            pool=None,
+            session=self.session,
+            outcomes=Outcomes(parts, self.view),
+            registration=None,
+            registration_timeout=0.0,
+            io=io,
+        )
+
+    def open(self) -> None:
+        self.session.open()
+
+    def holds(self, record: Record) -> Committed | None:
+        """This root's commit of the same checkpoint (same step and bytes), if it has one."""
+        found = self.view.get(record.step)
+        if found is not None and found.record.checksums == record.checksums and record.checksums:
+            return found
+        return None
+
+    def upload(self, source: Loc, record: Record) -> Committed:
+        """Copy the committed checkpoint at ``source`` here and commit it; its record says so."""
+        self.session.ensure_writer(f"uploading step {record.step}")
+        lock = self.session.lock
+        assert lock is not None
+        staging = self.layout.staging_dir(record.step, uuid.uuid4().hex[:12])
+        try:
+            copy_checkpoint(source, record, staging)
+            committed = self._commit(staging, record, source)
+        except BaseException:
+            self._discard(staging)
+            raise
+        self._prune()
+        return committed
+
+    def _commit(self, staging: Loc, record: Record, source: Loc) -> Committed:
+        """Under the lock: the record, the rename (or the commit object) into place, ``latest``."""
+        lock = self.session.lock
+        assert lock is not None
+        store, target = self.layout.store, self.layout.step_dir(record.step)
+        with lock:
+            durable = dataclasses.replace(
+                record,
+                seq=self.view.take_seq(),
+                registration=None,
+                uploaded={"at": time.time(), "from": str(source.where)},
+            )
+            write_record(staging, durable, lock)
+            store.make_dir(self.layout.trash.key)
+            store.commit_dir(
+                staging.key,
+                target.key,
+                displaced=self.layout.new_trash_path(record.step, REPLACED).key,
+                retired=self.layout.new_trash_path(record.step, PRUNED).key,
+            )
+            committed = Committed(target, durable)
+            self.view.commit(committed)
+            store.write_pointer(self.layout.latest_path.key, step_dirname(record.step))
+        if self.session.deleter is not None:
+            self.session.deleter.schedule()  # a replaced copy went to the trash
+        return committed
+
+    def _discard(self, staging: Loc) -> None:
+        lock = self.session.lock
+        if lock is None:
+            return
+        try:
+            collect_abandoned_staging(self.layout, lock, only=staging)
+            if self.session.deleter is not None:
+                self.session.deleter.schedule()
+        except Exception:  # the upload's error is the news; the leftover is collected at next start
+            pass
+
+    def _prune(self) -> None:
+        self._pruner.prune()
+
+    def drain(self, timeout: float) -> None:
+        self.session.drain(timeout)
+
+    def release(self) -> list[BaseException]:
+        return self.session.release()
+
+    def describe(self) -> dict[str, Any]:
+        return {"root": str(self.root), "latest": self.view.latest}

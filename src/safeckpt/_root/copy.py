@@ -1,0 +1,54 @@
+"""Copying a committed checkpoint's files from one root to another, every byte checked on the way.
+
+An upload reads the local copy once: each chunk goes into the running CRC32 of
+its segment and on to the destination. A segment that does not match its
+recorded checksum stops the copy before the destination is committed, so a
+damaged local copy is never made durable.
+"""
+
+from __future__ import annotations
+
+from .._format.checksums import READ_CHUNK, FileChecksum, corrupt, crc32, parse_checksums
+from .._format.record import Record
+from .._store.loc import Loc
+from ..errors import IncompleteCheckpointError
+
+
+def copy_checkpoint(source: Loc, record: Record, target: Loc) -> None:
+    """Every file ``record`` lists, from checkpoint directory ``source`` into ``target`` (made)."""
+    checksums = parse_checksums(record.checksums, record.files, where=str(source))
+    target.store.make_dir(target.key)
+    for name, size in sorted(record.files.items()):
+        checksum = None if checksums is None else checksums.get(name)
+        copy_file(source / name, target / name, size=size, checksum=checksum, step=record.step)
+
+
+def copy_file(source: Loc, target: Loc, *, size: int, checksum: FileChecksum | None, step: int) -> None:
+    """``source`` to ``target``: its recorded size first, then each segment's CRC32 as it streams."""
+    with source.store.open_read(source.key) as handle:
+        if handle.size != size:
+            raise IncompleteCheckpointError(
+                f"{source} has {handle.size} bytes, its record says {size}: the copy was damaged "
+                "after it was committed; it is not uploaded.",
+                path=str(source),
+                step=step,
+            )
+        ends = [(s.offset + s.length, s.crc, s.offset) for s in checksum.segments] if checksum else []
+        with target.store.open_write(target.key) as out:
+            position, crc, segment = 0, 0, 0
+            while True:
+                while segment < len(ends) and position == ends[segment][0]:  # segments ending here
+                    if crc != ends[segment][1]:
+                        raise corrupt(source, ends[segment][2], step=step)
+                    crc, segment = 0, segment + 1
+                if position >= size:
+                    break
+                # A chunk never straddles a segment's end, so each CRC is closed where it ends.
+                stop = min(size, position + READ_CHUNK, *(e for e, _, _ in ends[segment : segment + 1]))
+                chunk = handle.read(position, stop - position)
+                if not chunk:
+                    raise IncompleteCheckpointError(f"{source} ended early", path=str(source), step=step)
+                if ends:
+                    crc = crc32(chunk, crc)
+                out.write(chunk)
+                position += len(chunk)

@@ -1,0 +1,225 @@
+"""Two tiers (``local_dir=``): saves commit to a local directory, uploads make them durable in the
+root (a directory, or an ``s3://`` prefix on the moto server), restore takes the nearest good copy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safeckpt
+from safeckpt import CheckpointManager, Retention
+from safeckpt._format.catalog import scan
+from safeckpt._store.loc import as_root
+from safeckpt.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER = Path(__file__).parent / "tier_worker.py"
+
+
+@pytest.fixture(params=["posix", "s3"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The durable tier: a shared-filesystem directory, or a prefix on the S3 server."""
+    if request.param == "posix":
+        return str(tmp_path / "durable")
+    bucket = request.getfixturevalue("s3_bucket")
+    return str(bucket.url("run"))
+
+
+@pytest.fixture
+def s3_env() -> dict[str, str]:
+    """The environment of a worker process: this test's, with the ``AWS_*`` of its bucket if any."""
+    return dict(os.environ)
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((1 << 16,), float(step))}
+
+
+def _committed(root: str | Path) -> dict[int, Any]:
+    return {e.step: e.record for e in scan(as_root(root)).entries if e.committed}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_each_save_commits_locally_then_is_uploaded_and_committed_in_the_root(
+    durable: str, tmp_path: Path, async_save: bool
+) -> None:
+    local = tmp_path / "local"
+    with CheckpointManager(
+        durable,
+        local_dir=local,
+        async_save=async_save,
+        retention=Retention(keep_last=3),
+        local_retention=Retention(keep_last=2),
+    ) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, _state(step))
+        mgr.wait(durable=True)
+    here, there = _committed(local), _committed(durable)
+    assert sorted(here) == [4, 5] and sorted(there) == [3, 4, 5]  # each tier its own retention
+    for step in (4, 5):
+        # the same bytes in both tiers; each record says where the other copy is
+        assert there[step].checksums == here[step].checksums and there[step].files == here[step].files
+        assert there[step].uploaded["from"] == str(local / f"step_{step}")
+        assert here[step].uploaded["to"].endswith(f"step_{step}")
+    assert [there[s].seq for s in (3, 4, 5)] == sorted(there[s].seq for s in (3, 4, 5))  # commit order
+    # The durable tier alone is a whole root: a job without local_dir resumes from it.
+    restored = _state(0)
+    with CheckpointManager(durable) as mgr:
+        assert mgr.restore(restored).step == 5
+    assert torch.equal(restored["w"], _state(5)["w"])
+
+
+def test_restore_takes_the_local_copy_and_a_damaged_one_falls_back_to_the_durable_copy(
+    durable: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    with CheckpointManager(durable, local_dir=local) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    restored = _state(0)
+    with CheckpointManager(durable, local_dir=local) as mgr:
+        got = mgr.restore(restored)
+    assert got.step == 2 and Path(got.path) == local / "step_2"  # the nearest copy
+    data = next((local / "step_2").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    restored = _state(0)
+    with caplog.at_level(logging.WARNING), CheckpointManager(durable, local_dir=local) as mgr:
+        got = mgr.restore(restored)
+    assert got.step == 2 and str(got.path).startswith(durable)  # the same step, from the durable tier
+    assert torch.equal(restored["w"], _state(2)["w"])
+    assert "does not match the checksum" in caplog.text
+    assert not (local / "step_2").exists()  # the damaged local copy was moved aside
+
+
+def test_a_new_node_with_an_empty_local_dir_resumes_from_the_durable_tier(
+    durable: str, tmp_path: Path
+) -> None:
+    with CheckpointManager(durable, local_dir=tmp_path / "node1") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    restored = _state(0)
+    with CheckpointManager(durable, local_dir=tmp_path / "node2") as mgr:
+        got = mgr.restore(restored)
+        assert got.step == 3 and str(got.path).startswith(durable)
+        mgr.save(4, _state(4))  # and goes on saving through its own local tier
+        mgr.wait(durable=True)
+    assert sorted(_committed(durable)) == [1, 2, 3, 4]
+
+
+def test_local_checkpoints_wait_for_their_upload_while_the_root_cannot_be_reached(
+    s3_proxy: Any, s3_bucket: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, local = s3_bucket.url("down"), tmp_path / "local"
+    options = {"max_attempts": 1, "connect_timeout": 1, "read_timeout": 2}
+    s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
+    with (
+        caplog.at_level(logging.WARNING),
+        CheckpointManager(
+            root,
+            local_dir=local,
+            local_retention=Retention(keep_last=1),
+            storage_options=options,
+            retry_interval=0.05,
+            upload_timeout=5,
+        ) as mgr,
+    ):
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        # Nothing durable yet: local retention keeps every step until its upload commits.
+        assert sorted(_committed(local)) == [1, 2, 3]
+        assert "stays on the local disk" in caplog.text
+        s3_proxy.clear()  # the durable tier is back: the backlog catches up, in commit order
+        mgr.wait(durable=True)
+        assert sorted(_committed(root)) == [1, 2, 3]
+        seqs = {s: r.seq for s, r in _committed(root).items()}
+        assert seqs[1] < seqs[2] < seqs[3]
+    assert sorted(_committed(local)) == [3]  # pruned once uploaded (at close)
+
+
+POINTS = ["local_write", "before_upload", "during_upload", "durable_commit", "after_durable_commit"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_kill_at_any_point_loses_no_commit_and_the_next_start_uploads_it_once(
+    durable: str, tmp_path: Path, point: str, s3_env: Any
+) -> None:
+    if point == "durable_commit" and durable.startswith("s3://"):
+        pytest.skip("a kill inside the S3 lease costs the next start its 30 s expiry: -m slow runs it")
+    _kill_and_resume(durable, tmp_path / "local", point, s3_env)
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_durable_commit_on_s3_loses_nothing(s3_bucket: Any, tmp_path: Path) -> None:
+    _kill_and_resume(s3_bucket.url("run"), tmp_path / "local", "durable_commit", dict(os.environ))
+
+
+def _kill_and_resume(durable: str, local: Path, point: str, s3_env: dict[str, str]) -> None:
+    argv = [sys.executable, str(WORKER), durable, str(local), point]
+    done = subprocess.run(argv, env=s3_env, capture_output=True, timeout=240)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    newest = 2 if point == "local_write" else 3  # step 3 committed locally at every later point
+    before = _committed(durable)
+    assert max(before) == (3 if point == "after_durable_commit" else 2)
+    restored = _state(0)
+    with CheckpointManager(durable, local_dir=local) as mgr:  # the next start: uploads, then restores
+        assert mgr.restore(restored).step == newest
+    assert torch.equal(restored["w"], _state(newest)["w"])
+    after = _committed(durable)
+    assert max(after) == newest and after[newest].checksums == _committed(local)[newest].checksums
+    if point == "after_durable_commit":  # already in the root: marked, not uploaded again
+        assert after[3].seq == before[3].seq and after[3].uploaded == before[3].uploaded
+    # Nothing the kill left behind stays in the root, and a node without the local copy resumes too.
+    with CheckpointManager(durable) as mgr:
+        assert mgr.restore(_state(0)).step == newest
+    assert not scan(as_root(durable)).staging
+
+
+def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
+    durable: str, tmp_path: Path, s3_env: Any
+) -> None:
+    local = tmp_path / "local"
+    done = subprocess.run(
+        [sys.executable, str(WORKER), durable, str(local), "before_upload"], env=s3_env, timeout=240
+    )
+    assert done.returncode == -9
+    assert 3 not in _committed(durable)
+    cli = [sys.executable, "-m", "safeckpt", "upload", durable, "--local-dir", str(local), "--json"]
+    first = subprocess.run(cli, env=s3_env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["uploaded"] == [3]
+    assert _committed(durable)[3].checksums == _committed(local)[3].checksums
+    again = subprocess.run(cli, env=s3_env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and json.loads(again.stdout)["uploaded"] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"local_dir": "s3://bucket/x"}, "is a URL"),
+        ({"local_retention": Retention(keep_last=1)}, "pass local_dir= too"),
+        ({"local_dir": "LOCAL", "local_retention": 3}, "local_retention must be"),
+    ],
+)
+def test_bad_tier_arguments_are_config_errors(tmp_path: Path, kwargs: dict[str, Any], words: str) -> None:
+    kwargs = {k: (str(tmp_path / "local") if v == "LOCAL" else v) for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=words):
+        CheckpointManager(tmp_path / "root", **kwargs)
+    assert not (tmp_path / "root" / "step_1").exists()
+
+
+def test_load_without_a_manager_reads_the_durable_tier(durable: str, tmp_path: Path) -> None:
+    with CheckpointManager(durable, local_dir=tmp_path / "local") as mgr:
+        mgr.save(7, _state(7))
+    assert torch.equal(safeckpt.load(durable)["w"], _state(7)["w"])

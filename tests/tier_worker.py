@@ -1,0 +1,102 @@
+"""A training process with two tiers that SIGKILLs itself at one point of saving step 3 (test_tiers.py).
+
+    python tests/tier_worker.py ROOT LOCAL_DIR POINT
+
+Saves steps 1, 2, 3 with ``local_dir=`` (each step's tensor filled with the step), waiting for
+each upload before the next save, and dies at ``POINT`` of step 3:
+
+* ``local_write``: its files written to the local tier, before the local commit;
+* ``before_upload``: committed locally, before its upload starts;
+* ``during_upload``: one file copied to the durable tier, the next one half written;
+* ``durable_commit``: every file and the record in the durable tier, before the commit;
+* ``after_durable_commit``: committed in the durable tier, before the local copy is marked.
+* ``none``: no kill; the run closes normally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from safeckpt import CheckpointManager, Retention
+from safeckpt._manager import committer, durable, uploads
+from safeckpt._root.copy import copy_file
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str) -> None:
+    if point == "local_write":
+        real_commit = committer.Committer._commit
+
+        def commit(self, job, checksums):  # type: ignore[no-untyped-def]
+            if job.step == 3:
+                _die()
+            return real_commit(self, job, checksums)
+
+        committer.Committer._commit = commit  # type: ignore[method-assign]
+    elif point == "before_upload":
+        real_upload = uploads.Uploader._upload
+
+        def upload(self, local):  # type: ignore[no-untyped-def]
+            if local.record.step == 3:
+                _die()
+            return real_upload(self, local)
+
+        uploads.Uploader._upload = upload  # type: ignore[method-assign]
+    elif point == "during_upload":
+        real_copy = durable.copy_checkpoint
+
+        def copy(source, record, target):  # type: ignore[no-untyped-def]
+            if record.step != 3:
+                return real_copy(source, record, target)
+            first, last = sorted(record.files)[0], sorted(record.files)[-1]
+            target.store.make_dir(target.key)
+            copy_file(source / first, target / first, size=record.files[first], checksum=None, step=3)
+            with target.store.open_write((target / last).key) as out:
+                out.write(b"\0" * max(1, record.files[last] // 2))
+                _die()
+
+        durable.copy_checkpoint = copy
+    elif point == "durable_commit":
+        real_write = durable.write_record
+
+        def write(directory, record, lock):  # type: ignore[no-untyped-def]
+            real_write(directory, record, lock)
+            if record.step == 3:
+                _die()
+
+        durable.write_record = write
+    elif point == "after_durable_commit":
+        real_amend = uploads.amend_record
+
+        def amend(directory, lock, **changes):  # type: ignore[no-untyped-def]
+            if directory.name == "step_3":
+                _die()
+            return real_amend(directory, lock, **changes)
+
+        uploads.amend_record = amend
+    elif point != "none":
+        raise SystemExit(f"unknown point {point!r}")
+
+
+def main() -> None:
+    root, local, point = sys.argv[1], sys.argv[2], sys.argv[3]
+    _arm(point)
+    state = {"w": torch.zeros(1 << 16)}
+    with CheckpointManager(
+        root, local_dir=local, local_retention=Retention(keep_last=1), retention=Retention(keep_last=2)
+    ) as mgr:
+        for step in (1, 2, 3):
+            state["w"].fill_(step)
+            mgr.save(step, state)
+            mgr.wait(durable=True)
+
+
+if __name__ == "__main__":
+    main()
