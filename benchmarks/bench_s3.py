@@ -1,6 +1,7 @@
 """Checkpoints on ``s3://``: safeckpt against a raw upload and the peers, on one S3 server, in one run.
 
     .venv/bin/python benchmarks/bench_s3.py [--size-mib 192] [--reps 5]
+    .venv/bin/python benchmarks/run_all.py --only bench_s3     # into benchmarks/results.md
 
 Starts its own moto server on 127.0.0.1 (``tests/s3_server.py``): moto keeps objects in memory
 and serves them from Python, so absolute times are the server's, and the rows compare safeckpt
@@ -14,7 +15,8 @@ with what moves the same bytes to the same server:
 
 Rows: how long an async ``save()`` blocks training against a memcpy of the same tensors; the
 time until the checkpoint is committed (``wait()`` returns) and a cold restore, each against
-the limit. Prints Markdown.
+the limit. Each row is timed in rounds beside its limit (see ``_rounds``), and its ratio is
+the median of the rounds' ratios, with their range. Prints Markdown; exits 77 without moto.
 """
 
 from __future__ import annotations
@@ -43,15 +45,22 @@ from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_version
 MIB = 1 << 20
 PART = 16 * MIB
 CONCURRENCY = 8
+SKIPPED = 77  # run_all.py's status for a benchmark that cannot run here
 
 
-def _median(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Each function once per round, in an order rotated every round: a subject and its limit are
+    timed side by side, so the server's drift over the run (moto slows as it holds more) falls
+    on both."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(reps):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def _client(endpoint: str) -> Any:
@@ -78,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
 
+    if moto_version() == "not installed":
+        print("bench_s3: moto is not installed (make setup installs it)", file=sys.stderr)
+        return SKIPPED
     server = S3Server(Path(os.environ.get("TMPDIR", "/tmp")))
     server.start()
     try:
@@ -102,45 +114,18 @@ def _run(endpoint: str, size: int, reps: int) -> int:
     buffers = host_buffers(tensors)
     nbytes = bench.nbytes
     options = {"part_size": PART, "max_concurrency": CONCURRENCY}
-    rows: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
 
-    rows["memcpy"] = _median(lambda: memcpy(tensors, buffers), reps)
-
-    # The limit: the tensors' bytes as one raw object, uploaded and downloaded by TransferManager.
+    # The limits: a memcpy of the tensors into preallocated buffers; their bytes as one raw object,
+    # uploaded and downloaded by TransferManager.
     raw = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
-    rows["raw upload"] = _median(
-        lambda: client.upload_fileobj(io.BytesIO(raw), bucket, "raw/blob", Config=_transfer()), reps
-    )
-    rows["raw download"] = _median(
-        lambda: client.download_fileobj(bucket, "raw/blob", io.BytesIO(), Config=_transfer()), reps
-    )
-
-    # safeckpt: async save (blocking, then until committed), and a cold restore in a new manager.
-    root = f"s3://{bucket}/safeckpt"
-    blocking, durable = [], []
-    # Every save kept, as in the local row: a prune's deletes would run beside the next save, on
-    # a server that shares this machine's cores (S3's deletes run on S3's machines).
-    with safeckpt.CheckpointManager(root, async_save=True, storage_options=options) as mgr:
-        for step in range(reps + 1):
-            start = time.perf_counter()
-            mgr.save(step, bench.state)
-            blocked = time.perf_counter() - start
-            mgr.wait()
-            if step:  # the first save allocates the staging buffers
-                blocking.append(blocked)
-                durable.append(time.perf_counter() - start)
-    rows["safeckpt async save, blocking"] = statistics.median(blocking)
-    rows["same, to a local directory"] = _local_blocking(bench, reps)
-    rows["safeckpt save, until committed"] = statistics.median(durable)
-
-    def restore() -> None:
-        with safeckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
-            mgr.restore(bench.state)
-
-    rows["safeckpt cold restore"] = _median(restore, reps)
-
-    # torch.save into memory, then the upload; torch.load of the download.
     flat = bench.flat()
+
+    def raw_upload() -> None:
+        client.upload_fileobj(io.BytesIO(raw), bucket, "raw/blob", Config=_transfer())
+
+    def raw_download() -> None:
+        client.download_fileobj(bucket, "raw/blob", io.BytesIO(), Config=_transfer())
 
     def torch_save() -> None:
         buffer = io.BytesIO()
@@ -154,10 +139,9 @@ def _run(endpoint: str, size: int, reps: int) -> int:
         buffer.seek(0)
         torch.load(buffer, weights_only=True)
 
-    rows["torch.save + upload"] = _median(torch_save, reps)
-    rows["download + torch.load"] = _median(torch_load, reps)
-
     peers_note = ""
+    save_peers: dict[str, Callable[[], Any]] = {"torch.save + upload": torch_save}
+    load_peers: dict[str, Callable[[], Any]] = {"download + torch.load": torch_load}
     try:
         import s3fs  # noqa: F401
         import torch.distributed.checkpoint as dcp
@@ -169,52 +153,89 @@ def _run(endpoint: str, size: int, reps: int) -> int:
         def dcp_load() -> None:
             dcp.load(flat, storage_reader=FsspecReader(f"s3://{bucket}/dcp"), no_dist=True)
 
-        rows["dcp.save (fsspec writer)"] = _median(dcp_save, reps)
-        rows["dcp.load (fsspec reader)"] = _median(dcp_load, reps)
+        save_peers["dcp.save (fsspec writer)"] = dcp_save
+        load_peers["dcp.load (fsspec reader)"] = dcp_load
     except ImportError as e:
         peers_note = f"DCP's fsspec writer not measured ({e})."
 
-    print(_markdown(rows, nbytes, reps, peers_note))
+    # safeckpt: an async save (how long save() blocks, then until wait() returns: committed), beside
+    # the same save to a local root; then a cold restore in a new manager. Every save is kept, as
+    # a prune's deletes would run on this machine's cores (S3's deletes run on S3's machines).
+    root = f"s3://{bucket}/safeckpt"
+    blocked: dict[str, list[float]] = {"s3": [], "local": []}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        safeckpt.CheckpointManager(root, async_save=True, storage_options=options) as on_s3,
+        safeckpt.CheckpointManager(Path(tmp) / "run", async_save=True) as local,
+    ):
+        steps = iter(range(1, 1 << 30))
+
+        def save(mgr: safeckpt.CheckpointManager, where: str) -> None:
+            start = time.perf_counter()
+            mgr.save(next(steps), bench.state)
+            blocked[where].append(time.perf_counter() - start)
+            mgr.wait()
+
+        for mgr, where in ((on_s3, "s3"), (local, "local")):  # the first save allocates the staging buffers
+            save(mgr, where)
+            blocked[where].clear()
+        times |= _rounds(
+            {
+                "memcpy": lambda: memcpy(tensors, buffers),
+                "raw upload": raw_upload,
+                "safeckpt save, until committed": lambda: save(on_s3, "s3"),
+                "same, to a local directory": lambda: save(local, "local"),
+                **save_peers,
+            },
+            reps,
+        )
+    times["safeckpt async save, blocking"] = blocked["s3"]
+    times["same, to a local directory"] = blocked["local"]
+
+    def restore() -> None:
+        with safeckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
+            mgr.restore(bench.state)
+
+    times |= _rounds({"raw download": raw_download, "safeckpt cold restore": restore, **load_peers}, reps)
+
+    print(_markdown(times, nbytes, reps, peers_note))
     return 0
 
 
-def _local_blocking(bench: Any, reps: int) -> float:
-    """The same async save's blocking time on a local root: what S3 adds to it is the difference."""
-    times = []
-    with tempfile.TemporaryDirectory() as tmp, safeckpt.CheckpointManager(Path(tmp) / "run") as mgr:
-        for step in range(reps + 1):
-            start = time.perf_counter()
-            mgr.save(step, bench.state)
-            times.append(time.perf_counter() - start)
-            mgr.wait()
-    return statistics.median(times[1:])
-
-
-def _markdown(rows: dict[str, float], nbytes: int, reps: int, note: str) -> str:
+def _markdown(times: dict[str, list[float]], nbytes: int, reps: int, note: str) -> str:
     def line(name: str, limit: str) -> str:
-        return f"| {name} | {rows[name] * 1000:.0f} ms | {rows[name] / rows[limit]:.2f}x {limit} |"
+        # The ratio to the limit timed in the same round: the median of the rounds and their spread.
+        ratios = [t / lim for t, lim in zip(times[name], times[limit], strict=True)]
+        return (
+            f"| {name} | {statistics.median(times[name]) * 1000:.0f} ms | "
+            f"{statistics.median(ratios):.2f}x {limit} | {min(ratios):.2f}-{max(ratios):.2f}x |"
+        )
+
+    def limit(name: str, what: str) -> str:
+        return f"| {name} ({what}) | {statistics.median(times[name]) * 1000:.0f} ms | | |"
 
     out = [
         f"State: {nbytes / MIB:.0f} MiB (a transformer and its AdamW moments, fp32); moto "
         f"{moto_version()} on 127.0.0.1; parts of {PART // MIB} MiB, {CONCURRENCY} at once; "
-        f"median of {reps}.",
+        f"{reps} rounds, each timing every row of its group once, in a rotated order: median "
+        "time, median of the rounds' ratios to the limit timed in the same round, and their range.",
         "",
-        "| row | time | ratio |",
-        "|---|---:|---:|",
+        "| row | time | ratio | rounds |",
+        "|---|---:|---:|---:|",
         line("safeckpt async save, blocking", "memcpy"),
         line("same, to a local directory", "memcpy"),
         line("safeckpt save, until committed", "raw upload"),
         line("torch.save + upload", "raw upload"),
     ]
-    if "dcp.save (fsspec writer)" in rows:
+    if "dcp.save (fsspec writer)" in times:
         out.append(line("dcp.save (fsspec writer)", "raw upload"))
     out += [line("safeckpt cold restore", "raw download"), line("download + torch.load", "raw download")]
-    if "dcp.load (fsspec reader)" in rows:
+    if "dcp.load (fsspec reader)" in times:
         out.append(line("dcp.load (fsspec reader)", "raw download"))
     out += [
-        f"| memcpy (the blocking limit) | {rows['memcpy'] * 1000:.0f} ms | |",
-        f"| raw upload (the save limit) | {rows['raw upload'] * 1000:.0f} ms | |",
-        f"| raw download (the restore limit) | {rows['raw download'] * 1000:.0f} ms | |",
+        limit("memcpy", "the blocking limit"),
+        limit("raw upload", "the save limit"),
+        limit("raw download", "the restore limit"),
     ]
     if note:
         out += ["", note]

@@ -97,6 +97,13 @@ SECTIONS: tuple[Section, ...] = (
         runs=1,  # counts, not timings
     ),
     Section(
+        key="bench_s3",
+        title="Object storage: s3:// on a moto server",
+        command=(PYTHON, "benchmarks/bench_s3.py"),
+        quick=("--size-mib", "64", "--reps", "3"),
+        runs=1,  # its rounds pair each row with its limit; prints its own Markdown
+    ),
+    Section(
         key="bench_state",
         title="Nested state: state dicts, Stateful wrappers, 10,000 tensors",
         command=(PYTHON, "benchmarks/bench_state.py"),
