@@ -223,3 +223,36 @@ def test_load_without_a_manager_reads_the_durable_tier(durable: str, tmp_path: P
     with CheckpointManager(durable, local_dir=tmp_path / "local") as mgr:
         mgr.save(7, _state(7))
     assert torch.equal(safeckpt.load(durable)["w"], _state(7)["w"])
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 2.5 MiB tmpfs: a local disk that fills after a few checkpoints (needs root and mount)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_local_disk_removes_the_oldest_uploaded_checkpoints_first(
+    small_disk: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "durable"
+    state = {"w": torch.zeros(1 << 17)}  # 512 KiB a checkpoint: four fit
+    with (
+        caplog.at_level(logging.WARNING),
+        CheckpointManager(root, local_dir=small_disk / "run", local_retention=Retention(keep_last=10)) as mgr,
+    ):
+        for step in range(1, 9):
+            state["w"].fill_(step)
+            mgr.save(step, state)
+            mgr.wait(durable=True)  # each one uploaded before the next: every older one may go
+    assert sorted(_committed(root)) == list(range(1, 9))  # every save committed, every one durable
+    kept = sorted(_committed(small_disk / "run"))
+    assert kept[-1] == 8 and len(kept) < 8  # the oldest went early, the newest stay
+    assert "is full" in caplog.text and "removed the uploaded step(s) 1" in caplog.text

@@ -83,9 +83,11 @@ class Committer:
         io: IOOptions,
         on_commit: Callable[[Committed], None] | None = None,
         holds: Callable[[], frozenset[int]] | None = None,
+        make_room: Callable[[int], None] | None = None,
     ) -> None:
         """``on_commit``: told about each commit (rank 0, after it); ``holds``: steps that pruning
-        keeps for now (local commits not uploaded yet)."""
+        keeps for now (local commits not uploaded yet); ``make_room``: called with the step before
+        a save writes (rank 0), to free space for it."""
         self.root = root
         self.retention = retention
         self.policy = with_pinned(retention)
@@ -101,6 +103,7 @@ class Committer:
         self.registration_timeout = registration_timeout
         self._io = io
         self._on_commit = on_commit
+        self._make_room = make_room
         self._holds = holds
         self._held_back: set[int] = set()  # steps retention drops, kept for now (see prune)
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
@@ -176,6 +179,11 @@ class Committer:
                 self._session.ensure_writer(f"saving step {job.step}")
             except Exception as e:
                 refused = e
+            if refused is None and self._make_room is not None:
+                try:
+                    self._make_room(job.step)
+                except Exception as e:  # making room only helps; the save's own write says if it fails
+                    logger.warning("safeckpt: could not make room for step %d: %s", job.step, e)
         cancel, refused_anywhere = parts.broadcast(
             (job.cancel_requested, _portable(refused)), parts.writer, what=f"starting step {job.step}"
         )

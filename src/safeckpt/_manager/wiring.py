@@ -30,6 +30,7 @@ from .outcomes import Outcomes
 from .pins import Pins
 from .preemption import PreemptionHandlers
 from .resumer import Resumer
+from .room import LocalRoom
 from .saver import Saver
 from .saves import SaveView
 from .session import RootSession
@@ -131,6 +132,7 @@ def wire(
         io=io,
         on_commit=uploader.submit if uploader is not None else None,
         holds=uploader.pending_steps if uploader is not None else None,
+        make_room=LocalRoom(layout, view, session).make_room if uploader is not None else None,
     )
     owns_local = session.ownership is not None and session.ownership.claimed
     if uploader is not None and not read_only and owns_local:  # a live job's own commits are its own
