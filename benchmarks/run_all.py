@@ -104,6 +104,13 @@ SECTIONS: tuple[Section, ...] = (
         runs=1,  # its rounds pair each row with its limit; prints its own Markdown
     ),
     Section(
+        key="bench_tiers",
+        title="Two tiers: a local directory, then s3:// on a moto server",
+        command=(PYTHON, "benchmarks/bench_tiers.py"),
+        quick=("--size-mib", "64", "--reps", "3"),
+        runs=1,  # rounds of both managers in one run; prints its own Markdown
+    ),
+    Section(
         key="bench_state",
         title="Nested state: state dicts, Stateful wrappers, 10,000 tensors",
         command=(PYTHON, "benchmarks/bench_state.py"),

@@ -195,6 +195,11 @@ def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
     )
     assert done.returncode == -9
     assert 3 not in _committed(durable)
+    ls = [sys.executable, "-m", "safeckpt", "ls", durable, "--local-dir", str(local), "--json"]
+    listed = json.loads(subprocess.run(ls, env=s3_env, capture_output=True, text=True, timeout=120).stdout)
+    tiers = {c["step"]: c["tiers"] for c in listed["checkpoints"]}
+    assert tiers[1] == ["durable"] and tiers[2][0] == "durable"  # step 2's local copy may be pruned
+    assert tiers[3] == ["local", "not uploaded"]
     cli = [sys.executable, "-m", "safeckpt", "upload", durable, "--local-dir", str(local), "--json"]
     first = subprocess.run(cli, env=s3_env, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stderr
@@ -202,6 +207,8 @@ def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
     assert _committed(durable)[3].checksums == _committed(local)[3].checksums
     again = subprocess.run(cli, env=s3_env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and json.loads(again.stdout)["uploaded"] == []
+    listed = json.loads(subprocess.run(ls, env=s3_env, capture_output=True, text=True, timeout=120).stdout)
+    assert {c["step"]: c["tiers"] for c in listed["checkpoints"]}[3] == ["durable", "local"]
 
 
 @pytest.mark.parametrize(

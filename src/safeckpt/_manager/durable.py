@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any
 
 from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
 from .._format.record import Record, write_record
-from .._policy.retention import Policy, Retention
+from .._policy.retention import Policy, Retention, retention_json
 from .._root.copy import copy_checkpoint
 from .._root.removal import collect_abandoned_staging
 from .._store.base import Store
@@ -109,6 +108,7 @@ class DurableTier:
                 record,
                 seq=self.view.take_seq(),
                 registration=None,
+                retention=retention_json(self._pruner.retention),  # this root's, not the local tier's
                 uploaded={"at": time.time(), "from": str(source.where)},
             )
             write_record(staging, durable, lock)
@@ -145,6 +145,3 @@ class DurableTier:
 
     def release(self) -> list[BaseException]:
         return self.session.release()
-
-    def describe(self) -> dict[str, Any]:
-        return {"root": str(self.root), "latest": self.view.latest}

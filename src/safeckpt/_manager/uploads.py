@@ -116,7 +116,7 @@ class Uploader:
         with self._cond:
             failures = self._failures
             while self._queue:
-                if give_up_on_failure and self._failures > failures:
+                if self._closed or (give_up_on_failure and self._failures > failures):
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .._dist.failures import human_size
-from .._format.catalog import Entry, settled_scan, verify_files
+from .._format.catalog import Catalog, Entry, settled_scan, verify_files
+from .._format.layout import parse_staging_name
 from .._format.record import list_files
 from .._ops.inspection import kept_because, recorded_retention
 from .._ops.maintenance import Damaged, damaged_checkpoints
@@ -25,13 +26,20 @@ COMMITTED = "committed"
 INCOMPLETE = "incomplete"
 
 
-def listing(root: str | os.PathLike[str], retention: Retention | None = None) -> dict[str, Any]:
+def listing(
+    root: str | os.PathLike[str],
+    retention: Retention | None = None,
+    local_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
     """What ``root`` holds as JSON data: checkpoints (by step), ``latest``, leftovers.
 
     Each checkpoint says why it is kept: ``latest`` (or the newest one, when
     ``latest`` is missing or broken), ``pinned``, and with ``retention`` the
     rules that keep it; an empty list means the next prune with ``retention``
-    removes it.
+    removes it. With ``local_dir`` (the local tier of a run with two tiers), each
+    says which tiers hold it (``tiers``: ``durable``, ``local``, and for a local
+    one not in ``root`` yet, ``uploading`` or ``not uploaded``), and local ones
+    not uploaded yet are listed too.
     """
     path = existing_root(root)
     catalog = settled_scan(path)  # a job may be committing and pruning as we read
@@ -62,8 +70,11 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
                 "kept_because": kept,
             }
         )
+    if local_dir is not None:
+        _add_local_tier(checkpoints, catalog, local_dir)
     return {
         "root": str(path),
+        "local_dir": None if local_dir is None else str(local_dir),
         "latest": catalog.pointer_step,
         "latest_name": catalog.latest_name,
         "resume_step": catalog.latest_step,
@@ -74,6 +85,47 @@ def listing(root: str | os.PathLike[str], retention: Retention | None = None) ->
         "trash": [p.name for p in catalog.trash],
         "damaged": [_damaged_json(d) for d in damaged_checkpoints(catalog)],
     }
+
+
+def _add_local_tier(
+    checkpoints: list[dict[str, Any]], catalog: Catalog, local_dir: str | os.PathLike[str]
+) -> None:
+    """Mark which tier holds each checkpoint; add the local ones ``root`` lacks."""
+    local = {e.step: e for e in settled_scan(existing_root(local_dir)).entries if e.committed and e.record}
+    durable = {e.step: e for e in catalog.entries if e.committed and e.record}
+    for c in checkpoints:
+        here, there = local.get(c["step"]), durable.get(c["step"])
+        same = here is not None and there is not None and _same(here, there)
+        c["tiers"] = ["durable", "local"] if same else ["durable"]
+    uploading = {parse_staging_name(p.name) for p in catalog.staging}
+    for step, entry in sorted(local.items()):
+        there = durable.get(step)
+        if there is not None and _same(entry, there):
+            continue
+        record = entry.record
+        assert record is not None
+        checkpoints.append(
+            {
+                "step": step,
+                "path": str(entry.path),
+                "status": COMMITTED,
+                "problems": [],
+                "time": record.time,
+                "time_iso": _local_iso(record.time),
+                "size": record.size,
+                "metrics": dict(record.metrics),
+                "pinned": record.pinned,
+                "latest": False,
+                "kept_because": ["waiting for its upload"],
+                "tiers": ["local", "uploading" if step in uploading else "not uploaded"],
+            }
+        )
+    checkpoints.sort(key=lambda c: (c["step"], c["tiers"][0] != "durable"))
+
+
+def _same(a: Entry, b: Entry) -> bool:
+    """The same checkpoint in both tiers: the same step and bytes."""
+    return a.record is not None and b.record is not None and a.record.checksums == b.record.checksums
 
 
 def _damaged_json(damaged: Damaged) -> dict[str, Any]:
@@ -115,11 +167,14 @@ def render(console: Console, data: dict[str, Any]) -> None:
         table.add_column("size", justify="right", no_wrap=True)
         table.add_column("metrics", overflow="fold")
         table.add_column("status", overflow="fold")
+        if data.get("local_dir"):
+            table.add_column("tiers", overflow="fold")
         table.add_column("why kept", overflow="fold")
         for c in data["checkpoints"]:
             table.add_row(*_checkpoint_row(c, data))
         for d in data["damaged"]:
-            table.add_row(*_damaged_row(d))
+            row = _damaged_row(d)
+            table.add_row(*((*row[:-1], "", *row[-1:]) if data.get("local_dir") else row))
         print_table(console, table)
     for note in footnotes(data):
         console.print(f"[dim]{note}[/]")
@@ -137,12 +192,14 @@ def _checkpoint_row(c: dict[str, Any], data: dict[str, Any]) -> tuple[str, ...]:
             kept = "[yellow]nothing: the job prunes it at its next commit[/]"
     else:
         kept = ""
+    tiers = (", ".join(c["tiers"]),) if data.get("local_dir") else ()
     return (
         str(c["step"]),
         _time_cell(c["time_iso"]),
         human_size(c["size"]),
         _metrics_text(c["metrics"]),
         status,
+        *tiers,
         kept,
     )
 
@@ -188,7 +245,7 @@ def print_listing(console: Console, root: str | os.PathLike[str], retention: Ret
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    data = listing(args.root, retention_from_args(args))
+    data = listing(args.root, retention_from_args(args), local_dir=args.local_dir)
     if args.json:
         print_json(data)
     else:
@@ -207,9 +264,16 @@ def add_parser(commands: Any) -> None:
 safeckpt ls runs/exp1
 safeckpt ls runs/exp1 --keep-last 3 --keep-best 2 --metric loss   # what would a prune keep?
 safeckpt ls runs/exp1 --json | jq '.checkpoints[].step'
+safeckpt ls s3://bucket/runs/exp1 --local-dir /local/nvme/exp1   # local, durable, uploading
 """,
     )
     ls.add_argument("root", metavar="ROOT")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.add_argument(
+        "--local-dir",
+        metavar="DIR",
+        help="the local tier of a run with two tiers (local_dir=): show which tiers hold each "
+        "checkpoint, and the local ones not uploaded yet",
+    )
     add_retention_arguments(ls)
     ls.set_defaults(func=cmd_ls)
