@@ -232,6 +232,45 @@ def test_load_without_a_manager_reads_the_durable_tier(durable: str, tmp_path: P
     assert torch.equal(safeckpt.load(durable)["w"], _state(7)["w"])
 
 
+def test_a_stale_local_dir_never_rolls_the_root_back(tmp_path: Path, s3_env: Any) -> None:
+    root, old_node = str(tmp_path / "durable"), tmp_path / "node1"
+    argv = [sys.executable, str(WORKER), root, str(old_node), "before_upload"]
+    assert subprocess.run(argv, env=s3_env, capture_output=True, timeout=240).returncode == -9
+    with CheckpointManager(root, local_dir=tmp_path / "node2") as mgr:  # the job went on elsewhere
+        assert mgr.restore(_state(0)).step == 2
+        for step in (4, 5):
+            mgr.save(step, _state(step))
+    # Back on the first node, whose step 3 was never uploaded: older than the root's newest commit.
+    restored = _state(0)
+    with CheckpointManager(root, local_dir=old_node) as mgr:
+        assert mgr.restore(restored).step == 5
+    assert torch.equal(restored["w"], _state(5)["w"])
+    assert 3 not in _committed(root) and (Path(root) / "latest").resolve().name == "step_5"
+
+
+def test_a_local_copy_damaged_before_its_upload_is_dropped_and_the_next_ones_go_up(
+    s3_proxy: Any, s3_bucket: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, local = s3_bucket.url("dropped"), tmp_path / "local"
+    s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
+    options = {"max_attempts": 1, "connect_timeout": 1, "read_timeout": 2}
+    with (
+        caplog.at_level(logging.WARNING),
+        CheckpointManager(root, local_dir=local, storage_options=options, retry_interval=0.05) as mgr,
+    ):
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        data = next((local / "step_1").glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+        s3_proxy.clear()
+        mgr.wait(durable=True)  # step 1 cannot go up; it does not hold step 2 back
+    assert sorted(_committed(root)) == [2]
+    assert "step 1" in caplog.text and "cannot be uploaded" in caplog.text
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Any:
     """A 2.5 MiB tmpfs: a local disk that fills after a few checkpoints (needs root and mount)."""

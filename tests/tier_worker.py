@@ -52,9 +52,9 @@ def _arm(point: str) -> None:
     elif point == "during_upload":
         real_copy = durable.copy_checkpoint
 
-        def copy(source, record, target):  # type: ignore[no-untyped-def]
+        def copy(source, record, target, **kwargs):  # type: ignore[no-untyped-def]
             if record.step != 3:
-                return real_copy(source, record, target)
+                return real_copy(source, record, target, **kwargs)
             first, last = sorted(record.files)[0], sorted(record.files)[-1]
             target.store.make_dir(target.key)
             copy_file(source / first, target / first, size=record.files[first], checksum=None, step=3)

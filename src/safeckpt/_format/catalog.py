@@ -114,11 +114,11 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
         for path in trash:
             parsed = parse_trash_name(path.name)
             if parsed is not None and parsed[1] == REPLACED and parsed[0] not in present:
-                present.add(parsed[0])
                 displaced.append(reads.submit(_entry, parsed[0], path))
-        for found in displaced:
+        for found in displaced:  # in the trash's order: the first committed copy of a step counts
             entry = found.result()
-            if entry.committed:
+            if entry.committed and entry.step not in present:
+                present.add(entry.step)
                 entries.append(dataclasses.replace(entry, displaced=True))
         staging_found, damaged_found = tuple(staging.result()), tuple(damaged.result())
     return Catalog(
@@ -143,7 +143,7 @@ class _Reads:
         done: Future[T] = Future()
         try:
             done.set_result(fn(*args))
-        except BaseException as e:
+        except Exception as e:  # raised at result(), as from the pool; an interrupt goes on at once
             done.set_exception(e)
         return done
 

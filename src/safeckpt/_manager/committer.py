@@ -245,10 +245,10 @@ class Committer:
         )
         if parts.is_leader:
             try:  # bookkeeping after a commit never fails it (it is retried at the next one)
-                self._register(job.step)
                 committed = self._view.get(job.step)
                 if self._on_commit is not None and committed is not None:
                     self._on_commit(committed)
+                self._register(job.step)
                 self.prune()
             except Exception as e:
                 logger.warning(

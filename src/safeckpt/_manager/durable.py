@@ -11,12 +11,15 @@ retention, its own owner record and lock, and its own deleter.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
+from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
 from .._format.record import Record, write_record
 from .._policy.retention import Policy, Retention, retention_json
@@ -29,6 +32,8 @@ from .damaged import DamagedCommits
 from .outcomes import Outcomes
 from .saves import Committed, SaveView
 from .session import RootSession
+
+logger = logging.getLogger("safeckpt.manager")
 
 
 class DurableTier:
@@ -83,19 +88,26 @@ class DurableTier:
             return found
         return None
 
-    def upload(self, source: Loc, record: Record) -> Committed:
-        """Copy the committed checkpoint at ``source`` here and commit it; its record says so."""
+    def upload(
+        self, source: Loc, record: Record, *, should_stop: Callable[[], bool] | None = None
+    ) -> Committed:
+        """Copy the committed checkpoint at ``source`` here and commit it; its record says so.
+
+        Anything that fails before the commit point leaves nothing here (the staging area is
+        discarded); after it, the copy is committed whatever follows (``latest`` only warns).
+        """
         self.session.ensure_writer(f"uploading step {record.step}")
-        lock = self.session.lock
-        assert lock is not None
         staging = self.layout.staging_dir(record.step, uuid.uuid4().hex[:12])
         try:
-            copy_checkpoint(source, record, staging)
-            committed = self._commit(staging, record, source)
+            copy_checkpoint(source, record, staging, should_stop=should_stop)
         except BaseException:
             self._discard(staging)
             raise
-        self._prune()
+        committed = self._commit(staging, record, source)
+        try:
+            self._pruner.prune()
+        except Exception as e:  # pruning after a commit never fails it; the next upload retries
+            logger.warning("safeckpt: after uploading step %d: %s", record.step, e)
         return committed
 
     def _commit(self, staging: Loc, record: Record, source: Loc) -> Committed:
@@ -111,20 +123,43 @@ class DurableTier:
                 retention=retention_json(self._pruner.retention),  # this root's, not the local tier's
                 uploaded={"at": time.time(), "from": str(source.where)},
             )
-            write_record(staging, durable, lock)
-            store.make_dir(self.layout.trash.key)
-            store.commit_dir(
-                staging.key,
-                target.key,
-                displaced=self.layout.new_trash_path(record.step, REPLACED).key,
-                retired=self.layout.new_trash_path(record.step, PRUNED).key,
-            )
+            try:
+                write_record(staging, durable, lock)
+                store.make_dir(self.layout.trash.key)
+                store.commit_dir(
+                    staging.key,
+                    target.key,
+                    displaced=self.layout.new_trash_path(record.step, REPLACED).key,
+                    retired=self.layout.new_trash_path(record.step, PRUNED).key,
+                )
+            except BaseException:
+                if fate_of(target, durable) is not Fate.SAME:
+                    self._discard(staging)
+                    raise
+                # In place, then a directory fsync failed: committed, maybe not durable yet.
+                logger.warning(
+                    "safeckpt: step %d is in place in %s, but syncing it failed", record.step, self.root
+                )
             committed = Committed(target, durable)
             self.view.commit(committed)
-            store.write_pointer(self.layout.latest_path.key, step_dirname(record.step))
+            try:
+                store.write_pointer(self.layout.latest_path.key, step_dirname(record.step))
+            except OSError as e:
+                logger.warning(
+                    "safeckpt: step %d is committed in %s, but moving `latest` to it failed (%s); "
+                    "resume takes it anyway",
+                    record.step,
+                    self.root,
+                    e,
+                )
         if self.session.deleter is not None:
             self.session.deleter.schedule()  # a replaced copy went to the trash
         return committed
+
+    def newest(self) -> Committed | None:
+        """This root's most recent commit."""
+        committed = self.view.committed()
+        return max(committed, key=lambda c: (c.record.seq or 0, c.record.step)) if committed else None
 
     def _discard(self, staging: Loc) -> None:
         lock = self.session.lock
@@ -134,11 +169,8 @@ class DurableTier:
             collect_abandoned_staging(self.layout, lock, only=staging)
             if self.session.deleter is not None:
                 self.session.deleter.schedule()
-        except Exception:  # the upload's error is the news; the leftover is collected at next start
-            pass
-
-    def _prune(self) -> None:
-        self._pruner.prune()
+        except Exception as e:  # the upload's error is the news; the leftover is collected at next start
+            logger.info("safeckpt: could not discard the upload left in %s (%s)", staging, e)
 
     def drain(self, timeout: float) -> None:
         self.session.drain(timeout)

@@ -38,6 +38,7 @@ from ..errors import ConfigError, ManagerClosedError
 from .durable import DurableTier
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
+from .uploads import not_uploaded_error
 from .wiring import wire
 
 if TYPE_CHECKING:
@@ -212,6 +213,7 @@ class CheckpointManager:
             durable=durable,
         )
         self._durable, self._uploader = durable, w.uploader
+        self._upload_stuck = False
         self._parts, self._view, self._session, self._outcomes = parts, w.view, w.session, w.outcomes
         self._committer, self._resumer, self._triggers, self._pins = (
             w.committer,
@@ -254,13 +256,19 @@ class CheckpointManager:
         """Block until every queued save is committed (or failed); raise a failure once.
 
         ``durable=True`` (with ``local_dir``): also until every local commit is uploaded and
-        committed in the durable tier.
+        committed in the durable tier; raises :class:`SaveFailedError` naming the steps still
+        waiting when an upload fails meanwhile (they are tried again in the background).
         """
         self._check_open()
         if self._writer is not None:
             self._writer.wait_idle()
-        if durable and self._uploader is not None:
-            self._uploader.wait()
+        if (
+            durable
+            and self._uploader is not None
+            and not self._uploader.wait(self.upload_timeout, give_up_on_failure=True)
+        ):
+            steps, error = self._uploader.waiting()
+            raise not_uploaded_error(self.root, self.local_dir, steps, error)
         self._outcomes.conclude(None, what="wait()")
 
     def flush(self) -> None:
@@ -400,7 +408,7 @@ class CheckpointManager:
         self._plans.forget()
         attempt(lambda: self._session.drain(self.drain_timeout))
         errors.extend(self._session.release())
-        if self._durable is not None:
+        if self._durable is not None and not self._upload_stuck:
             attempt(lambda: self._durable.drain(self.drain_timeout))
             errors.extend(self._durable.release())
         _unregister_atexit(self._atexit)
@@ -418,7 +426,11 @@ class CheckpointManager:
     def _close_uploads(self) -> None:
         """Wait for the uploads while they succeed; what is left is uploaded by the next start."""
         assert self._uploader is not None
-        left = self._uploader.close(self.upload_timeout)
+        left, self._upload_stuck = self._uploader.close(self.upload_timeout)
+        if self._upload_stuck:
+            # Its lock and owner record stay held (a lease expires on its own): never a second
+            # writer beside a request still in flight.
+            logger.warning("safeckpt: an upload to %s is still in flight at close(); left running", self.root)
         if left:
             logger.warning(
                 "safeckpt: step(s) %s of %s are committed in %s but not uploaded to %s; the next start "
@@ -472,8 +484,14 @@ def _local_dir(local_dir: str | os.PathLike[str], root: Any) -> Path:
             path=text,
         )
     path = Path(text).absolute()
-    if str(path) == str(root):
-        raise ConfigError(f"local_dir= is the root itself ({path}); pass a different directory.", path=text)
+    if not str(root).startswith(("s3://", "gs://", "az://")):
+        durable = Path(str(root))
+        if path == durable or durable in path.parents or path in durable.parents:
+            raise ConfigError(
+                f"local_dir={path} and the root {durable} are one inside the other; give the local "
+                "tier a directory of its own.",
+                path=text,
+            )
     return path
 
 

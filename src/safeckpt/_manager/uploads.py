@@ -2,12 +2,17 @@
 
 A local commit is queued here once it is committed. The upload thread copies it
 to the durable root (:class:`~.durable.DurableTier`), and once that commit is
-made it marks the local record as uploaded; only then may local retention
-prune it. A failed upload (the durable tier unreachable) stays first in the
-queue and is tried again with growing pauses, so later commits wait behind it
-and nothing is uploaded out of order. A commit that the durable root already
-holds (the same step and bytes: a crash came between its durable commit and
-the local mark) is marked, never uploaded twice.
+made it marks the local record as uploaded. Local retention keeps every
+commit whose record is not marked (:meth:`Uploader.held`), so nothing is
+pruned before it is durable, whether or not it reached this queue.
+
+A failed upload (the durable tier unreachable) stays first in the queue and is
+tried again after growing pauses, so later commits wait behind it and nothing
+is uploaded out of order. A local copy that cannot be uploaded at all (its
+bytes fail their checksums, or it was replaced or removed meanwhile) is
+dropped from the queue with an error, so it does not hold the others back. A
+commit the durable root already holds (the same step and bytes: a crash came
+between its durable commit and the local mark) is marked, never uploaded twice.
 """
 
 from __future__ import annotations
@@ -17,9 +22,18 @@ import threading
 import time
 from collections import deque
 
+from .._format.identity import Fate, fate_of
 from .._format.record import amend_record, read_record
+from .._root.copy import CopyStopped
 from .._store.base import Lock
-from ..errors import CheckpointError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SaveFailedError,
+    UnsafeCheckpointError,
+)
 from .durable import DurableTier
 from .saves import Committed, SaveView
 
@@ -27,13 +41,21 @@ logger = logging.getLogger("safeckpt.manager")
 
 _MAX_PAUSE = 30.0  # between tries while the durable tier cannot be reached
 _BACKLOG_WARNING = 3  # local commits waiting before the warning says the backlog grows
+# What reading the local copy raises when it cannot be uploaded at all (the durable side raises
+# OSError, or RootInUseError / RootNotWritableError, which are worth trying again).
+_LOCAL_COPY_BAD = (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    CheckpointNotFoundError,
+)
 
 
 class Uploader:
     """The queue of local commits to make durable, and the thread that works it.
 
-    Call rules: ``submit`` from the local writer thread (or start-up); ``wait``,
-    ``pending_steps`` and ``close`` from any thread.
+    Call rules: ``submit`` from the local writer thread; ``upload_earlier`` at start-up, before
+    any submit; ``wait``, ``held`` and ``close`` from any thread.
     """
 
     def __init__(
@@ -44,7 +66,10 @@ class Uploader:
         self._local_lock = local_lock
         self._retry_interval = retry_interval
         self._queue: deque[Committed] = deque()
+        self._current: Committed | None = None  # the entry being uploaded (the queue's head)
+        self._dropped: set[tuple[int, int | None]] = set()  # (step, seq) never to be uploaded
         self._cond = threading.Condition()
+        self._wake = threading.Event()  # cuts a pause short: close(), or a wait for durability
         self._closed = False
         self._failures = 0  # tries in a row that failed (the pause grows with them)
         self._last_error: BaseException | None = None
@@ -55,29 +80,51 @@ class Uploader:
     def submit(self, committed: Committed) -> None:
         """Queue a local commit; the thread starts on the first one."""
         with self._cond:
-            if any(c.record.step == committed.record.step for c in self._queue):
-                # The same step saved again before its upload: the newer copy replaces it in line.
-                self._queue = deque(c for c in self._queue if c.record.step != committed.record.step)
+            step = committed.record.step
+            # The same step saved again before its upload: the newer copy replaces it in line (not
+            # the one being uploaded, whose mark checks that it is still the local copy).
+            self._queue = deque(c for c in self._queue if c is self._current or c.record.step != step)
             self._queue.append(committed)
-            waiting = len(self._queue)
+            waiting, failures, last = len(self._queue), self._failures, self._last_error
             self._cond.notify_all()
         self._start()
-        if waiting >= _BACKLOG_WARNING and self._failures:
+        if waiting >= _BACKLOG_WARNING and failures:
             logger.warning(
                 "safeckpt: %d local checkpoint(s) wait to be uploaded to %s (the last try failed: %s); "
                 "they are kept on the local disk until they are",
                 waiting,
                 self._durable.root,
-                self._last_error,
+                last,
             )
 
     def upload_earlier(self, committed: list[Committed]) -> None:
         """At start: upload the local commits an earlier run left without an upload, before training
-        goes on; if the durable tier cannot be reached, they wait in the queue (with a warning)."""
-        waiting = sorted(
-            (c for c in committed if c.record.uploaded is None),
-            key=lambda c: (c.record.seq if c.record.seq is not None else -1, c.record.step),
-        )
+        goes on; if the durable tier cannot be reached, they wait in the queue (with a warning).
+
+        One older than the durable root's newest commit is not uploaded: this local directory is
+        behind the run (the job went on elsewhere), and uploading it would roll the root back."""
+        newest = self._durable.newest()
+        waiting = []
+        for c in sorted(committed, key=lambda c: (c.record.seq or 0, c.record.step)):
+            if c.record.uploaded is not None:
+                continue
+            if (
+                self._durable.holds(c.record) is None
+                and newest is not None
+                and c.record.time < newest.record.time
+            ):
+                logger.warning(
+                    "safeckpt: step %d in %s was never uploaded, but %s has newer commits (up to step %d): "
+                    "this local directory is behind the run, so it is not uploaded; local retention "
+                    "removes it",
+                    c.record.step,
+                    c.path.parent,
+                    self._durable.root,
+                    newest.record.step if newest is not None else None,
+                )
+                self._dropped.add((c.record.step, c.record.seq))
+                continue
+            waiting.append(c)
         if not waiting:
             return
         with self._cond:
@@ -87,32 +134,31 @@ class Uploader:
             ", ".join(str(c.record.step) for c in waiting),
         )
         try:
-            self.upload_now()
+            self._work_until_empty()
         except Exception as e:
             logger.warning(
                 "safeckpt: could not upload step(s) %s to %s (%s); training goes on, and they are "
                 "uploaded in the background once it can be reached",
-                ", ".join(map(str, sorted(self.pending_steps()))),
+                ", ".join(map(str, sorted(c.record.step for c in self._queue))),
                 self._durable.root,
                 e,
             )
             self._start()
 
-    def pending_steps(self) -> frozenset[int]:
-        """Local steps not uploaded yet (local retention keeps them)."""
-        with self._cond:
-            return frozenset(c.record.step for c in self._queue)
-
-    def _start(self) -> None:
-        with self._cond:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._run, name="safeckpt-upload", daemon=True)
-                self._thread.start()
+    def held(self) -> frozenset[int]:
+        """Local steps that local retention keeps: every commit whose record is not marked as
+        uploaded, except those that will never be (dropped)."""
+        return frozenset(
+            c.record.step
+            for c in self._local_view.committed()
+            if c.record.uploaded is None and (c.record.step, c.record.seq) not in self._dropped
+        )
 
     def wait(self, timeout: float | None = None, *, give_up_on_failure: bool = False) -> bool:
-        """Until the queue is empty (True), ``timeout`` passes, or, with ``give_up_on_failure``, a try
-        fails. False when something is still waiting."""
+        """Until the queue is empty (True), ``timeout`` passes, the uploader closes, or, with
+        ``give_up_on_failure``, a try fails. False when something is still waiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._wake.set()  # someone waits: a try now, not after the rest of a pause
         with self._cond:
             failures = self._failures
             while self._queue:
@@ -124,32 +170,32 @@ class Uploader:
                 self._cond.wait(left if left is not None else 1.0)
             return True
 
-    def upload_now(self) -> None:
-        """Work the queue on this thread until it is empty; raises the first failure (start-up, the CLI)."""
-        while True:
-            with self._cond:
-                if not self._queue:
-                    return
-                head = self._queue[0]
-            self._upload(head)
-            with self._cond:
-                if self._queue and self._queue[0] is head:
-                    self._queue.popleft()
-                self._cond.notify_all()
+    def waiting(self) -> tuple[list[int], BaseException | None]:
+        """The steps still queued, and the last failure."""
+        with self._cond:
+            return [c.record.step for c in self._queue], self._last_error
 
-    def close(self, timeout: float) -> list[int]:
-        """Stop the thread after at most ``timeout`` s of waiting; the steps left (uploaded by the next
-        start, or ``safeckpt upload``)."""
+    def close(self, timeout: float) -> tuple[list[int], bool]:
+        """Wait up to ``timeout`` s while uploads succeed, then stop the thread; the steps left (the
+        next start uploads them), and whether the thread is still running (stuck in a request)."""
+        deadline = time.monotonic() + timeout
         self.wait(timeout, give_up_on_failure=True)
         with self._cond:
             self._closed = True
             left = sorted(c.record.step for c in self._queue)
             self._cond.notify_all()
+        self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(timeout, 1.0))
-        return left
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        return left, self._thread is not None and self._thread.is_alive()
 
     # --- the thread ---------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="safeckpt-upload", daemon=True)
+                self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -158,56 +204,114 @@ class Uploader:
                     self._cond.wait()
                 if self._closed:
                     return
-                head = self._queue[0]
+            try:
+                self._work_one()
+            except CopyStopped:
+                return
+            except Exception as e:
+                self._failed(e)
+
+    def _work_until_empty(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    return
+            self._work_one()
+
+    def _work_one(self) -> None:
+        """Upload the queue's head; drop it when done, or when it can never be uploaded."""
+        with self._cond:
+            head = self._current = self._queue[0]
+        try:
             try:
                 self._upload(head)
-            except Exception as e:
-                self._failed(head, e)
-                continue
+            except _LOCAL_COPY_BAD as e:
+                self._drop(head, e)
+        finally:
             with self._cond:
-                if self._queue and self._queue[0] is head:
-                    self._queue.popleft()
-                self._failures, self._last_error = 0, None
-                self._cond.notify_all()
+                self._current = None
+        with self._cond:
+            if self._queue and self._queue[0] is head:
+                self._queue.popleft()
+            self._failures, self._last_error = 0, None
+            self._cond.notify_all()
 
-    def _failed(self, head: Committed, error: BaseException) -> None:
+    def _drop(self, head: Committed, error: BaseException) -> None:
+        """The local copy cannot be uploaded: replaced or removed since (its newer copy, if any, is
+        in line), or damaged (it is not durable, and is said so)."""
+        self._dropped.add((head.record.step, head.record.seq))
+        if fate_of(head.path, head.record) is not Fate.SAME:
+            logger.info(
+                "safeckpt: step %d changed while it was uploaded (%s); not uploaded", head.record.step, error
+            )
+            return
+        logger.error(
+            "safeckpt: step %d in %s cannot be uploaded: %s. It is not durable; the next commits are "
+            "uploaded as usual",
+            head.record.step,
+            head.path,
+            error,
+        )
+
+    def _failed(self, error: BaseException) -> None:
         with self._cond:
             self._failures += 1
             self._last_error = error
             failures = self._failures
+            step = self._queue[0].record.step if self._queue else None
             self._cond.notify_all()
         pause = min(_MAX_PAUSE, self._retry_interval * 2 ** (failures - 1))
         log = logger.warning if failures == 1 or failures % 10 == 0 else logger.info
         log(
-            "safeckpt: uploading step %d to %s failed (%s); it stays on the local disk and is tried "
+            "safeckpt: uploading step %s to %s failed (%s); it stays on the local disk and is tried "
             "again in %.0f s",
-            head.record.step,
+            step,
             self._durable.root,
             error,
             pause,
         )
-        with self._cond:
-            if not self._closed:
-                self._cond.wait(pause)
+        self._wake.clear()
+        self._wake.wait(pause)
 
     def _upload(self, local: Committed) -> None:
         """One local commit made durable, then marked as uploaded in its local record."""
         record = read_record(local.path)  # as it is now: a pin since, its checksums
-        if record is None or not record.committed:
-            raise CheckpointError(f"{local.path} has no committed record to upload", path=str(local.path))
+        if record is None or not record.committed or record.seq != local.record.seq:
+            raise CheckpointNotFoundError(
+                f"{local.path} no longer holds the commit queued", path=str(local.path)
+            )
         if record.uploaded is not None:
             return
         durable = self._durable.holds(record)
         if durable is None:
             started = time.monotonic()
-            durable = self._durable.upload(local.path, record)
+            durable = self._durable.upload(local.path, record, should_stop=lambda: self._closed)
             logger.info(
                 "safeckpt: uploaded step %d to %s in %.2f s",
                 record.step,
                 durable.path,
                 time.monotonic() - started,
             )
-        marked = amend_record(
-            local.path, self._local_lock, uploaded={"at": time.time(), "to": str(durable.path.where)}
-        )
+        self._mark(local, durable)
+
+    def _mark(self, local: Committed, durable: Committed) -> None:
+        """The local record says where its durable copy is, if it is still the copy uploaded."""
+        with self._local_lock:
+            current = read_record(local.path)
+            if current is None or current.seq != local.record.seq:
+                return  # saved again since: the newer copy is in line
+            marked = amend_record(
+                local.path, self._local_lock, uploaded={"at": time.time(), "to": str(durable.path.where)}
+            )
         self._local_view.update(Committed(local.path, marked))
+
+
+def not_uploaded_error(
+    root: object, local_dir: object, steps: list[int], error: BaseException | None
+) -> CheckpointError:
+    """What ``wait(durable=True)`` raises when uploads are still waiting."""
+    return SaveFailedError(
+        f"step(s) {', '.join(map(str, steps))} are committed in {local_dir} but not uploaded to {root}"
+        f"{f' ({error})' if error is not None else ''}. They stay on the local disk, and the upload is "
+        "tried again in the background (and by the next start)."
+    )

@@ -103,7 +103,11 @@ def wire(
         try:
             session.open()
             if durable is not None:
-                durable.open()
+                try:
+                    durable.open()
+                except BaseException:
+                    session.release()  # the local root's lock and owner record go with the error
+                    raise
                 assert session.lock is not None
                 uploader = Uploader(durable, view, session.lock, retry_interval=retry_interval)
             if registrar is not None and not read_only:
@@ -131,7 +135,7 @@ def wire(
         registration_timeout=registration_timeout,
         io=io,
         on_commit=uploader.submit if uploader is not None else None,
-        holds=uploader.pending_steps if uploader is not None else None,
+        holds=uploader.held if uploader is not None else None,
         make_room=LocalRoom(layout, view, session).make_room if uploader is not None else None,
     )
     owns_local = session.ownership is not None and session.ownership.claimed

@@ -8,22 +8,46 @@ damaged local copy is never made durable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .._format.checksums import READ_CHUNK, FileChecksum, corrupt, crc32, parse_checksums
 from .._format.record import Record
 from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError
 
 
-def copy_checkpoint(source: Loc, record: Record, target: Loc) -> None:
-    """Every file ``record`` lists, from checkpoint directory ``source`` into ``target`` (made)."""
+class CopyStopped(Exception):
+    """``should_stop`` said to stop (the manager is closing); the target is incomplete."""
+
+
+def copy_checkpoint(
+    source: Loc, record: Record, target: Loc, *, should_stop: Callable[[], bool] | None = None
+) -> None:
+    """Every file ``record`` lists, from checkpoint directory ``source`` into ``target`` (made);
+    ``should_stop`` is asked between chunks."""
     checksums = parse_checksums(record.checksums, record.files, where=str(source))
     target.store.make_dir(target.key)
     for name, size in sorted(record.files.items()):
         checksum = None if checksums is None else checksums.get(name)
-        copy_file(source / name, target / name, size=size, checksum=checksum, step=record.step)
+        copy_file(
+            source / name,
+            target / name,
+            size=size,
+            checksum=checksum,
+            step=record.step,
+            should_stop=should_stop,
+        )
 
 
-def copy_file(source: Loc, target: Loc, *, size: int, checksum: FileChecksum | None, step: int) -> None:
+def copy_file(
+    source: Loc,
+    target: Loc,
+    *,
+    size: int,
+    checksum: FileChecksum | None,
+    step: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
     """``source`` to ``target``: its recorded size first, then each segment's CRC32 as it streams."""
     with source.store.open_read(source.key) as handle:
         if handle.size != size:
@@ -43,6 +67,8 @@ def copy_file(source: Loc, target: Loc, *, size: int, checksum: FileChecksum | N
                     crc, segment = 0, segment + 1
                 if position >= size:
                     break
+                if should_stop is not None and should_stop():
+                    raise CopyStopped(f"stopped copying {source}")
                 # A chunk never straddles a segment's end, so each CRC is closed where it ends.
                 stop = min(size, position + READ_CHUNK, *(e for e, _, _ in ends[segment : segment + 1]))
                 chunk = handle.read(position, stop - position)

@@ -40,6 +40,10 @@ class Spread:
         """Whether ``key`` (or a file directly under directory key ``key/``) is in a save's area."""
         return key.startswith(self._areas) and "/" in key[len(self._areas) :]
 
+    def lists_an_area(self, prefix: str) -> bool:
+        """Whether directory key ``prefix`` (ending in ``/``) is a save's area, or below one."""
+        return prefix.startswith(self._areas) and len(prefix) > len(self._areas)
+
     def key(self, key: str) -> str:
         """The object key of the file at ``key``."""
         directory, _, leaf = key.rpartition("/")

@@ -70,7 +70,7 @@ class S3Store:
         _check(name)
         base, alias = self.aliases.dir_key(name)
         spread = self.aliases.spread
-        in_area = spread.applies(base + "-")  # a save's area, or below: its data files one level down
+        in_area = spread.lists_an_area(base)  # its data files are one level down
         with ThreadPoolExecutor(1, thread_name_prefix="safeckpt-s3-list") as beside:
             unfinished = beside.submit(self.client.uploads, base)  # one round trip, not two
             objects, prefixes = self.client.list(base, delimiter=None if in_area else "/")

@@ -125,7 +125,12 @@ def _add_local_tier(
 
 def _same(a: Entry, b: Entry) -> bool:
     """The same checkpoint in both tiers: the same step and bytes."""
-    return a.record is not None and b.record is not None and a.record.checksums == b.record.checksums
+    return (
+        a.record is not None
+        and b.record is not None
+        and a.record.checksums is not None
+        and a.record.checksums == b.record.checksums
+    )
 
 
 def _damaged_json(damaged: Damaged) -> dict[str, Any]:
