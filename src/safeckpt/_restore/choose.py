@@ -252,8 +252,8 @@ def choose_checkpoint(
     for attempt in range(REREADS):
         catalog = scan(layout.root)
         found, pruned = _newest_whole(catalog, set(exclude) | skipped, skipped, on_damaged)
-        if found is None and not pruned and _caught_moving(catalog):
-            time.sleep(0.005 * 2**attempt)  # a commit and a prune: settled within milliseconds
+        if found is None and not pruned and attempt < _MOVING_RETRIES and _caught_moving(catalog):
+            time.sleep(0.005 * 2**attempt)  # a commit and the prune after it settle in milliseconds
             continue
         if found is not None:
             if (skipped or exclude) and announce:
@@ -269,6 +269,11 @@ def choose_checkpoint(
         if not entry.committed and entry.step not in exclude and entry.path.entry() is not None:
             logger.warning("safeckpt: skipping step %d: %s", entry.step, entry.problem)
     return None
+
+
+# Scans taken again when one may have caught a commit and its prune (0.075 s of pauses in all), so
+# a root whose `latest` names a step it no longer has pays little at each start.
+_MOVING_RETRIES = 4
 
 
 def _caught_moving(catalog: Catalog) -> bool:
