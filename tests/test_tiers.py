@@ -217,10 +217,12 @@ def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
         ({"local_dir": "s3://bucket/x"}, "is a URL"),
         ({"local_retention": Retention(keep_last=1)}, "pass local_dir= too"),
         ({"local_dir": "LOCAL", "local_retention": 3}, "local_retention must be"),
+        ({"local_dir": "ROOT/fast"}, "one inside the other"),
     ],
 )
 def test_bad_tier_arguments_are_config_errors(tmp_path: Path, kwargs: dict[str, Any], words: str) -> None:
-    kwargs = {k: (str(tmp_path / "local") if v == "LOCAL" else v) for k, v in kwargs.items()}
+    named = {"LOCAL": str(tmp_path / "local"), "ROOT/fast": str(tmp_path / "root" / "fast")}
+    kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
     with pytest.raises(ConfigError, match=words):
         CheckpointManager(tmp_path / "root", **kwargs)
     assert not (tmp_path / "root" / "step_1").exists()

@@ -475,7 +475,7 @@ class CheckpointManager:
         self._writer.wait_idle(timeout=self._parts.timeout)
 
 
-def _local_dir(local_dir: str | os.PathLike[str], root: Any) -> Path:
+def _local_dir(local_dir: str | os.PathLike[str], root: Path | str) -> Path:
     text = os.fspath(local_dir)
     if "://" in text:
         raise ConfigError(
@@ -484,8 +484,8 @@ def _local_dir(local_dir: str | os.PathLike[str], root: Any) -> Path:
             path=text,
         )
     path = Path(text).absolute()
-    if not str(root).startswith(("s3://", "gs://", "az://")):
-        durable = Path(str(root))
+    if isinstance(root, Path):  # a local root (a store names a URL root as a str)
+        durable = root
         if path == durable or durable in path.parents or path in durable.parents:
             raise ConfigError(
                 f"local_dir={path} and the root {durable} are one inside the other; give the local "
