@@ -18,6 +18,8 @@ import safeckpt
 from safeckpt import CheckpointManager, Retention
 from safeckpt._format.catalog import scan
 from safeckpt._store.loc import as_root
+from safeckpt.cli import main
+from safeckpt.cli.ls import listing
 from safeckpt.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
@@ -187,7 +189,7 @@ def _kill_and_resume(durable: str, local: Path, point: str, s3_env: dict[str, st
 
 
 def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
-    durable: str, tmp_path: Path, s3_env: Any
+    durable: str, tmp_path: Path, s3_env: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     local = tmp_path / "local"
     done = subprocess.run(
@@ -195,9 +197,7 @@ def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
     )
     assert done.returncode == -9
     assert 3 not in _committed(durable)
-    ls = [sys.executable, "-m", "safeckpt", "ls", durable, "--local-dir", str(local), "--json"]
-    listed = json.loads(subprocess.run(ls, env=s3_env, capture_output=True, text=True, timeout=120).stdout)
-    tiers = {c["step"]: c["tiers"] for c in listed["checkpoints"]}
+    tiers = {c["step"]: c["tiers"] for c in listing(durable, local_dir=local)["checkpoints"]}  # safeckpt ls
     assert tiers[1] == ["durable"] and tiers[2][0] == "durable"  # step 2's local copy may be pruned
     assert tiers[3] == ["local", "not uploaded"]
     cli = [sys.executable, "-m", "safeckpt", "upload", durable, "--local-dir", str(local), "--json"]
@@ -205,10 +205,12 @@ def test_safeckpt_upload_uploads_what_a_dead_job_left_and_nothing_twice(
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["uploaded"] == [3]
     assert _committed(durable)[3].checksums == _committed(local)[3].checksums
-    again = subprocess.run(cli, env=s3_env, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0 and json.loads(again.stdout)["uploaded"] == []
-    listed = json.loads(subprocess.run(ls, env=s3_env, capture_output=True, text=True, timeout=120).stdout)
-    assert {c["step"]: c["tiers"] for c in listed["checkpoints"]}[3] == ["durable", "local"]
+    assert main(cli[3:]) == 0  # again, in this process: nothing left to upload
+    assert json.loads(capsys.readouterr().out)["uploaded"] == []
+    assert {c["step"]: c["tiers"] for c in listing(durable, local_dir=local)["checkpoints"]}[3] == [
+        "durable",
+        "local",
+    ]
 
 
 @pytest.mark.parametrize(

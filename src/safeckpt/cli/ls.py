@@ -14,10 +14,10 @@ from rich.table import Table
 
 from .._dist.failures import human_size
 from .._format.catalog import Catalog, Entry, settled_scan, verify_files
-from .._format.layout import parse_staging_name
 from .._format.record import list_files
 from .._ops.inspection import kept_because, recorded_retention
 from .._ops.maintenance import Damaged, damaged_checkpoints
+from .._ops.tiers import compare_tiers
 from .._policy.retention import Retention
 from .args import add_retention_arguments, retention_from_args
 from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
@@ -91,22 +91,15 @@ def _add_local_tier(
     checkpoints: list[dict[str, Any]], catalog: Catalog, local_dir: str | os.PathLike[str]
 ) -> None:
     """Mark which tier holds each checkpoint; add the local ones ``root`` lacks."""
-    local = {e.step: e for e in settled_scan(existing_root(local_dir)).entries if e.committed and e.record}
-    durable = {e.step: e for e in catalog.entries if e.committed and e.record}
+    tiers = compare_tiers(catalog, existing_root(local_dir))
     for c in checkpoints:
-        here, there = local.get(c["step"]), durable.get(c["step"])
-        same = here is not None and there is not None and _same(here, there)
-        c["tiers"] = ["durable", "local"] if same else ["durable"]
-    uploading = {parse_staging_name(p.name) for p in catalog.staging}
-    for step, entry in sorted(local.items()):
-        there = durable.get(step)
-        if there is not None and _same(entry, there):
-            continue
+        c["tiers"] = ["durable", "local"] if c["step"] in tiers.in_both else ["durable"]
+    for entry in tiers.local_only:
         record = entry.record
         assert record is not None
         checkpoints.append(
             {
-                "step": step,
+                "step": entry.step,
                 "path": str(entry.path),
                 "status": COMMITTED,
                 "problems": [],
@@ -117,20 +110,10 @@ def _add_local_tier(
                 "pinned": record.pinned,
                 "latest": False,
                 "kept_because": ["waiting for its upload"],
-                "tiers": ["local", "uploading" if step in uploading else "not uploaded"],
+                "tiers": ["local", "uploading" if entry.step in tiers.uploading else "not uploaded"],
             }
         )
     checkpoints.sort(key=lambda c: (c["step"], c["tiers"][0] != "durable"))
-
-
-def _same(a: Entry, b: Entry) -> bool:
-    """The same checkpoint in both tiers: the same step and bytes."""
-    return (
-        a.record is not None
-        and b.record is not None
-        and a.record.checksums is not None
-        and a.record.checksums == b.record.checksums
-    )
 
 
 def _damaged_json(damaged: Damaged) -> dict[str, Any]:
