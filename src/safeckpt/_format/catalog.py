@@ -103,10 +103,10 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     layout = Layout(as_root(root))
     dirs = layout.committed_dirs()
     with _Reads(layout.store.small_reads_at_once) as reads:
+        records = [reads.submit(_entry, step, path) for step, path in dirs]  # first: they may be pruned
+        trash_listed = reads.submit(layout.trash_entries)
         staging = reads.submit(layout.staging_entries)
         damaged = reads.submit(layout.damaged_entries)
-        trash_listed = reads.submit(layout.trash_entries)
-        records = [reads.submit(_entry, step, path) for step, path in dirs]
         entries = [r.result() for r in records]
         trash = tuple(trash_listed.result())
         present = {e.step for e in entries}
