@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import safeckpt
 from bench_common import build_state, host_buffers, memcpy
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_version
+from bench_moto import client as s3_client
+from bench_moto import with_bucket
+from s3_server import moto_version
 
 MIB = 1 << 20
 PART = 16 * MIB
 CONCURRENCY = 8
-SKIPPED = 77  # run_all.py's status for a benchmark that cannot run here
 
 
 def _rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
@@ -63,18 +62,6 @@ def _rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[floa
     return times
 
 
-def _client(endpoint: str) -> Any:
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name=REGION,
-    )
-
-
 def _transfer() -> Any:
     from boto3.s3.transfer import TransferConfig
 
@@ -87,28 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
 
-    if moto_version() == "not installed":
-        print("bench_s3: moto is not installed (make setup installs it)", file=sys.stderr)
-        return SKIPPED
-    server = S3Server(Path(os.environ.get("TMPDIR", "/tmp")))
-    server.start()
-    try:
-        return _run(server.endpoint, args.size_mib * MIB, args.reps)
-    finally:
-        server.kill()
-
-
-def _run(endpoint: str, size: int, reps: int) -> int:
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID=ACCESS_KEY,
-        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-        AWS_REGION=REGION,
-        AWS_DEFAULT_REGION=REGION,
+    return with_bucket(
+        "bench_s3", lambda endpoint, bucket: _run(endpoint, bucket, args.size_mib * MIB, args.reps)
     )
-    client = _client(endpoint)
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    client.create_bucket(Bucket=bucket)
+
+
+def _run(endpoint: str, bucket: str, size: int, reps: int) -> int:
+    client = s3_client(endpoint)
     bench = build_state(size, optimizer=True)
     tensors = list(bench.flat().values())
     buffers = host_buffers(tensors)

@@ -15,12 +15,10 @@ without moto.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import safeckpt
 from bench_common import build_state
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_version
+from bench_moto import with_bucket
+from s3_server import moto_version
 
 MIB = 1 << 20
-SKIPPED = 77
 OPTIONS = {"part_size": 16 * MIB, "max_concurrency": 8}
 
 
@@ -40,29 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=192)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
-    if moto_version() == "not installed":
-        print("bench_tiers: moto is not installed (make setup installs it)", file=sys.stderr)
-        return SKIPPED
-    server = S3Server(Path(os.environ.get("TMPDIR", "/tmp")))
-    server.start()
-    try:
-        return _run(server.endpoint, args.size_mib * MIB, args.reps)
-    finally:
-        server.kill()
+    return with_bucket("bench_tiers", lambda _, bucket: _run(bucket, args.size_mib * MIB, args.reps))
 
 
-def _run(endpoint: str, size: int, reps: int) -> int:
-    import boto3
-
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID=ACCESS_KEY,
-        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-        AWS_REGION=REGION,
-        AWS_DEFAULT_REGION=REGION,
-    )
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name=REGION).create_bucket(Bucket=bucket)
+def _run(bucket: str, size: int, reps: int) -> int:
     bench = build_state(size, optimizer=True)
     times: dict[str, dict[str, list[float]]] = {"direct": {}, "tiers": {}}
     steps = iter(range(1, 1 << 30))

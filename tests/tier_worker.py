@@ -22,6 +22,7 @@ import sys
 import torch
 
 from safeckpt import CheckpointManager, Retention
+from safeckpt._format.checksums import parse_checksums
 from safeckpt._manager import committer, durable, uploads
 from safeckpt._root.copy import copy_file
 
@@ -57,7 +58,8 @@ def _arm(point: str) -> None:
                 return real_copy(source, record, target, **kwargs)
             first, last = sorted(record.files)[0], sorted(record.files)[-1]
             target.store.make_dir(target.key)
-            copy_file(source / first, target / first, size=record.files[first], checksum=None, step=3)
+            checksum = parse_checksums(record.checksums, record.files, where=str(source))[first]
+            copy_file(source / first, target / first, size=record.files[first], checksum=checksum, step=3)
             with target.store.open_write((target / last).key) as out:
                 out.write(b"\0" * max(1, record.files[last] // 2))
                 _die()

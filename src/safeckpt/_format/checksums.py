@@ -246,8 +246,10 @@ def verify_handle(
     *,
     step: int | None,
     progress: Callable[[int], None] | None = None,
+    sink: Callable[[bytes], object] | None = None,
 ) -> None:
-    """:func:`verify_file` on a file already open (``name`` is what errors call it)."""
+    """:func:`verify_file` on a file already open (``name`` is what errors call it); ``sink`` gets
+    every chunk as it is read (a copy: its segment is checked when the segment ends)."""
     if handle.size != checksum.size:
         raise IncompleteCheckpointError(
             f"{name} has {handle.size} bytes, its checksums cover {checksum.size}",
@@ -261,6 +263,8 @@ def verify_handle(
             if not chunk:
                 raise IncompleteCheckpointError(f"{name} ended early", path=str(name), step=step)
             crc = crc32(chunk, crc)
+            if sink is not None:
+                sink(chunk)
             position += len(chunk)
             left -= len(chunk)
             if progress is not None:

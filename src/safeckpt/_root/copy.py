@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._format.checksums import READ_CHUNK, FileChecksum, corrupt, crc32, parse_checksums
+from .._format.checksums import FileChecksum, parse_checksums, verify_handle
 from .._format.record import Record
 from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError
@@ -49,6 +49,13 @@ def copy_file(
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
     """``source`` to ``target``: its recorded size first, then each segment's CRC32 as it streams."""
+    if checksum is None:
+        raise IncompleteCheckpointError(
+            f"{source} was written before safeckpt recorded checksums: its bytes cannot be checked, "
+            "so it is not copied.",
+            path=str(source),
+            step=step,
+        )
     with source.store.open_read(source.key) as handle:
         if handle.size != size:
             raise IncompleteCheckpointError(
@@ -57,24 +64,11 @@ def copy_file(
                 path=str(source),
                 step=step,
             )
-        ends = [(s.offset + s.length, s.crc, s.offset) for s in checksum.segments] if checksum else []
         with target.store.open_write(target.key) as out:
-            position, crc, segment = 0, 0, 0
-            while True:
-                while segment < len(ends) and position == ends[segment][0]:  # segments ending here
-                    if crc != ends[segment][1]:
-                        raise corrupt(source, ends[segment][2], step=step)
-                    crc, segment = 0, segment + 1
-                if position >= size:
-                    break
+
+            def write(chunk: bytes) -> None:
                 if should_stop is not None and should_stop():
                     raise CopyStopped(f"stopped copying {source}")
-                # A chunk never straddles a segment's end, so each CRC is closed where it ends.
-                stop = min(size, position + READ_CHUNK, *(e for e, _, _ in ends[segment : segment + 1]))
-                chunk = handle.read(position, stop - position)
-                if not chunk:
-                    raise IncompleteCheckpointError(f"{source} ended early", path=str(source), step=step)
-                if ends:
-                    crc = crc32(chunk, crc)
                 out.write(chunk)
-                position += len(chunk)
+
+            verify_handle(handle, source, checksum, step=step, sink=write)
