@@ -28,12 +28,17 @@ from safeckpt._dcp import io as dcp_io
 from safeckpt._dcp import safe_metadata
 from safeckpt._dcp.io import SafeLoadPlanner, load, reader_for, save
 from safeckpt._dcp.safe_metadata import METADATA_NAME, read_metadata
-from safeckpt._format.checksums import FileChecksum
+from safeckpt._format.checksums import FileChecksum, read_verified
 from safeckpt._format.record import list_files, read_record, write_record
 from safeckpt._fs.fileops import FileOps
 from safeckpt._fs.lock import SidecarLock
 from safeckpt._storage.reader import RawFileSystemReader
-from safeckpt.errors import CheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from safeckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 from stores import loc
 
 
@@ -303,6 +308,28 @@ def test_what_is_parsed_is_kept_within_a_read_and_forgotten_after_it(root: Path)
         assert again is not first and again.state_dict_metadata == first.state_dict_metadata
         assert safe_metadata.checksums_of(record, directory) is not checksums
     assert not safe_metadata._last_parsed and not safe_metadata._parsed_checksums  # the outermost scope ended
+
+
+def test_a_verified_read_is_kept_only_for_its_checksum_and_only_inside_a_scope(tmp_path: Path) -> None:
+    path = loc(tmp_path / "f")
+    (tmp_path / "f").write_bytes(b"one")
+    one = FileChecksum.whole(b"one")
+    assert read_verified(path, size=3, checksum=one, step=1) == b"one"
+    (tmp_path / "f").write_bytes(b"ONE")
+    with pytest.raises(CorruptCheckpointError):  # outside a scope: read every time
+        read_verified(path, size=3, checksum=one, step=1)
+    (tmp_path / "f").write_bytes(b"one")
+    with safe_metadata.parsed_kept():
+        assert read_verified(path, size=3, checksum=one, step=1) == b"one"
+        (tmp_path / "f").unlink()
+        assert read_verified(path, size=3, checksum=one, step=1) == b"one"  # the bytes it promised, kept
+        (tmp_path / "f").write_bytes(b"two")  # replaced, with a record of its own: read anew
+        assert read_verified(path, size=3, checksum=FileChecksum.whole(b"two"), step=2) == b"two"
+        assert read_verified(path, size=3, checksum=None, step=2) == b"two"
+        (tmp_path / "f").write_bytes(b"xxx")
+        assert read_verified(path, size=3, checksum=None, step=2) == b"xxx"  # nothing promised: never kept
+    with pytest.raises(CorruptCheckpointError):  # the scope ended: nothing kept
+        read_verified(path, size=3, checksum=one, step=1)
 
 
 def test_a_restore_or_load_keeps_nothing_parsed_after_it(root: Path) -> None:

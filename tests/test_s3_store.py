@@ -269,6 +269,26 @@ def test_large_files_go_up_in_parallel_parts_and_come_back_in_ranges(s3_bucket) 
     assert torch.equal(safeckpt.load(root, storage_options=options)["w"], big)
 
 
+def test_a_restore_reads_each_small_file_and_lists_its_checkpoint_once(s3_proxy, s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    # Chosen and verified, checked by its rank, loaded: three looks at .metadata, the train-state
+    # file and the listing, each a round trip on S3, kept for the restore by the recorded checksums.
+    root = s3_bucket.url("once")
+    model, optim = _model()
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+    s3_proxy.requests.clear()
+    target, _ = _model()
+    with safeckpt.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.restore({"model": target}, strict=False).step == 1
+    gets = [r.path.rpartition("/")[2] for r in s3_proxy.seen(method="GET") if r.status in (200, 206)]
+    assert gets.count(".metadata") == 1 and gets.count("train_state.rank0.safetensors") == 1, gets
+    # The checkpoint's own listing (its area's prefix, e.g. ``.staging/step_1.<token>/``).
+    listings = [r.query for r in s3_proxy.seen(method="GET") if "list-type=2" in r.query]
+    assert len([q for q in listings if "step_1." in q]) == 1, listings
+    loaded, saved = target.state_dict(), model.state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
 def test_a_saves_data_objects_are_spread_over_prefixes_and_listed_at_their_names(s3_bucket) -> None:  # type: ignore[no-untyped-def]
     store = open_store(s3_bucket.url("spread"))
     names = [f"__{rank}_0.distcp" for rank in range(64)]

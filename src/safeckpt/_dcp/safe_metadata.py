@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from .._format import kept
 from .._format.checksums import FileChecksum, parse_checksums, read_verified
 from .._format.layout import check_member_name
 from .._format.record import Record, read_record
@@ -209,7 +210,8 @@ _warned_unverifiable: set[str] = set()
 @contextlib.contextmanager
 def parsed_kept() -> Iterator[None]:
     """Inside (a context manager, or a decorator), the last ``.metadata`` and checksums parsed are
-    kept for the next read of the same checkpoint; they are forgotten when the outermost one ends.
+    kept for the next read of the same checkpoint, with what :mod:`safeckpt._format.kept` keeps
+    (small files verified, checkpoints found complete); all is forgotten when the outermost one ends.
 
     Unpickling a large ``.metadata`` is slow and a restore needs it
     several times (verify, key check, the reader). Kept after the restore, the
@@ -222,7 +224,8 @@ def parsed_kept() -> Iterator[None]:
     with _last_parsed_lock:
         _keeping += 1
     try:
-        yield
+        with kept.keeping():  # the bytes read and the files checked, for the same span
+            yield
     finally:
         with _last_parsed_lock:
             _keeping -= 1

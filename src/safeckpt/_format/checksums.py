@@ -24,6 +24,7 @@ from typing import Any
 from .._store.base import ReadHandle
 from .._store.loc import Loc
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from . import kept
 
 try:  # hardware CRC32 (PCLMULQDQ), same values as zlib.crc32
     from zlib_ng.zlib_ng import crc32, crc32_combine
@@ -209,7 +210,20 @@ def corrupt(path: object, offset: int, *, step: int | None, detail: str = "") ->
 
 
 def read_verified(path: Loc, *, size: int | None, checksum: FileChecksum | None, step: int | None) -> bytes:
-    """A whole file, checked against its recorded size (before reading) and checksum."""
+    """A whole file, checked against its recorded size (before reading) and checksum; inside a
+    :func:`~safeckpt._format.kept.keeping` scope, read once for the same size and checksum."""
+    promise = (size, checksum)
+    if checksum is not None:
+        data = kept.verified_bytes(path, promise)
+        if data is not None:
+            return data
+    data = _read_checked(path, size=size, checksum=checksum, step=step)
+    if checksum is not None:
+        kept.keep_bytes(path, promise, data)
+    return data
+
+
+def _read_checked(path: Loc, *, size: int | None, checksum: FileChecksum | None, step: int | None) -> bytes:
     with path.store.open_read(path.key) as handle:
         if size is not None and handle.size != size:
             raise IncompleteCheckpointError(

@@ -23,6 +23,7 @@ from .._store.base import FILE, Lock
 from .._store.loc import Loc, as_loc
 from .._version import __version__
 from ..errors import IncompleteCheckpointError, InvalidSaveError, UnsafeCheckpointError
+from . import kept
 from .layout import RECORD_NAME
 
 FORMAT_VERSION = 2
@@ -337,9 +338,13 @@ def missing_or_wrong_files(checkpoint_dir: Loc | str | os.PathLike[str], record:
 
     Stats only (``lstat``): a FIFO or a link where a file should be is a problem, never a hang.
     One listing of the directory, not a look per file: on object storage each look is a round
-    trip, and a checkpoint has a file per rank.
+    trip, and a checkpoint has a file per rank. Inside a :func:`~safeckpt._format.kept.keeping`
+    scope, a directory found complete for a commit is not listed again for it.
     """
     directory = as_loc(checkpoint_dir)
+    commit = (record.step, record.seq, record.time, tuple(sorted(record.files.items())))
+    if kept.files_matched(directory, commit):
+        return []
     listed = {e.name: e for e in directory.store.entries(directory.key)}
     problems = []
     for rel, size in sorted(record.files.items()):
@@ -350,6 +355,8 @@ def missing_or_wrong_files(checkpoint_dir: Loc | str | os.PathLike[str], record:
             problems.append(f"{rel} is not a regular file")
         elif entry.size != size:
             problems.append(f"{rel} has {entry.size} bytes, the record says {size}")
+    if not problems:
+        kept.note_files_match(directory, commit)
     return problems
 
 
