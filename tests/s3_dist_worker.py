@@ -51,8 +51,8 @@ def _local(model: nn.Module) -> dict[str, list[float]]:
 def save(rank: int, ws: int, url: str, options: dict[str, Any], *, fail_rank: int | None = None) -> Any:
     model, optim = _model(ws)
     errors = []
-    with CheckpointManager(
-        url, async_save=True, retention=Retention(keep_last=2), storage_options=options
+    with CheckpointManager(  # a root with {rank} in it: each rank's own (a misconfigured job)
+        url.format(rank=rank), async_save=True, retention=Retention(keep_last=2), storage_options=options
     ) as mgr:
         for step in (1, 2, 3):
             _train(model, optim, rank, 1)
@@ -76,6 +76,58 @@ def restore(rank: int, ws: int, url: str, options: dict[str, Any]) -> Any:
     return {"weights": _local(model), "step": step}
 
 
+def tiers_save(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Two tiers: ``local_dir`` (``{rank}`` in it gives each rank its own) and the prefix."""
+    model, optim = _model(ws)
+    try:
+        mgr = CheckpointManager(
+            url, local_dir=local_dir.format(rank=rank), async_save=True, storage_options=options
+        )
+    except CheckpointError as e:
+        return {"error": [type(e).__name__, str(e)]}
+    with mgr:
+        for step in (1, 2, 3):
+            _train(model, optim, rank, 1)
+            mgr.save(step, {"model": model, "optim": optim})
+        mgr.wait(durable=True)
+        latest = mgr.latest_step
+    return {"weights": _local(model), "latest": latest}
+
+
+def tiers_restore(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    model, optim = _model(ws)
+    with CheckpointManager(url, local_dir=local_dir, storage_options=options) as mgr:
+        restored = mgr.restore({"model": model, "optim": optim})
+    return {"weights": _local(model), "step": restored.step, "path": str(restored.path)}
+
+
+UPLOAD_PAUSE = 4.0  # s added to each upload on rank 0: longer than the collective timeout
+
+
+def tiers_slow_upload(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Rank 0's uploads outlast the manager's collective timeout (3 s) while every rank waits."""
+    import time
+
+    from safeckpt._manager import durable
+
+    real = durable.copy_checkpoint
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(UPLOAD_PAUSE)
+        return real(*args, **kwargs)
+
+    durable.copy_checkpoint = slow  # type: ignore[assignment]
+    model, optim = _model(ws)
+    start = time.monotonic()
+    with CheckpointManager(url, local_dir=local_dir, timeout=3.0, storage_options=options) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        mgr.save(2, {"model": model, "optim": optim})
+        mgr.wait(durable=True)
+        waited = time.monotonic() - start
+        mgr.save(3, {"model": model, "optim": optim})
+    return {"waited": waited, "latest": 3}
+
+
 _real_put = s3_client.Client.put
 _real_part = s3_client.Client.upload_part
 
@@ -93,7 +145,13 @@ def _restore_uploads() -> None:
     s3_client.Client.upload_part = _real_part  # type: ignore[method-assign]
 
 
-SCENARIOS = {"save": save, "restore": restore}
+SCENARIOS = {
+    "save": save,
+    "restore": restore,
+    "tiers_save": tiers_save,
+    "tiers_restore": tiers_restore,
+    "tiers_slow_upload": tiers_slow_upload,
+}
 
 
 def main(

@@ -80,3 +80,81 @@ def test_a_failed_upload_on_one_rank_fails_the_save_on_both_and_loses_nothing(
     keys = s3_bucket.keys()  # every key of the bucket
     commits = sorted(k for k in keys if k.startswith("ranks/fail/step_") and k.endswith("/metadata.json"))
     assert commits == ["ranks/fail/step_1/metadata.json", "ranks/fail/step_3/metadata.json"]
+
+
+# --- two tiers: a local directory the ranks share (one node), the prefix as the durable tier ---------
+
+
+def test_two_ranks_with_a_shared_local_dir_commit_there_upload_and_resume_from_the_nearest_copy(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    url, options, local = s3_bucket.url("ranks/tiers"), s3_bucket.storage_options, tmp_path / "node"
+    saved = _launch("tiers_save", url, tmp_path / "r", options=options, local_dir=str(local))
+    assert [s["latest"] for s in saved] == [3, 3]
+    # Both ranks' files went into the local commit, and every commit was uploaded whole.
+    assert sorted(p.name for p in (local / "step_3").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    record = json.loads((local / "step_3" / "metadata.json").read_text())
+    assert record["uploaded"]["to"] == f"{url}/step_3"
+    durable = json.loads(
+        s3_bucket.client()
+        .get_object(Bucket=s3_bucket.name, Key="ranks/tiers/step_3/metadata.json")["Body"]
+        .read()
+    )
+    assert durable["uploaded"]["from"] == str(local / "step_3")
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=str(local))
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["path"] for r in restored] == [str(local / "step_3")] * 2  # the nearest copy, on both
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    # A flipped byte in rank 1's local file: every rank loads step 3 from the prefix instead.
+    data = local / "step_3" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=str(local))
+    assert [r["step"] for r in restored] == [3, 3]
+    assert all(r["path"].startswith(url) for r in restored), [r["path"] for r in restored]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+
+
+def test_ranks_whose_local_dirs_differ_are_refused_on_every_rank(s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # One local disk per node is not built yet: a commit by rank 0 could not see rank 1's files.
+    url, options = s3_bucket.url("ranks/apart"), s3_bucket.storage_options
+    reports = _launch(
+        "tiers_save", url, tmp_path / "r", options=options, local_dir=str(tmp_path / "node{rank}")
+    )
+    for report in reports:
+        assert (
+            report["error"][0] == "ConfigError"
+            and "not the same directory on every rank" in report["error"][1]
+        )
+        assert "rank(s) 1" in report["error"][1]
+    keys = s3_bucket.keys()  # every key of the bucket
+    assert not [k for k in keys if k.startswith("ranks/apart/step_")]
+    assert not list((tmp_path / "node0").glob("step_*")) and not list(
+        (tmp_path / "node0").glob(".shared-probe*")
+    )
+
+
+def test_every_rank_waits_with_rank_0_for_uploads_longer_than_the_collective_timeout(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # wait(durable=True) and close() wait for rank 0's uploads; the other ranks wait with it in
+    # heartbeats, never in one collective that the upload outlasts.
+    url, options = s3_bucket.url("ranks/slow"), s3_bucket.storage_options
+    local = str(tmp_path / "n")
+    reports = _launch("tiers_slow_upload", url, tmp_path / "r", options=options, local_dir=local)
+    assert all(r["waited"] >= 2 * s3_dist_worker.UPLOAD_PAUSE for r in reports), reports
+    keys = s3_bucket.keys()  # every key of the bucket
+    assert {f"ranks/slow/step_{s}/metadata.json" for s in (1, 2, 3)} <= set(keys)
+
+
+def test_a_root_that_is_not_shared_by_the_ranks_fails_every_save_instead_of_committing_part(
+    tmp_path: Path,
+) -> None:
+    # A node-local path given as the root on several nodes: rank 0 cannot see rank 1's files.
+    saved = _launch("save", str(tmp_path / "node{rank}"), tmp_path / "r", options=None)
+    for report in saved:
+        assert [e[0] for e in report["errors"]] == [1, 2, 3], report["errors"]
+        assert all("rank 0 does not see __1_0.distcp" in e[2] for e in report["errors"])
+        assert report["latest"] is None
+    assert not list((tmp_path / "node0").glob("step_*"))

@@ -42,10 +42,16 @@ from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
-from .._store.base import Lock
+from .._store.base import FILE, Lock
 from .._store.loc import Loc
 from .._version import __version__
-from ..errors import CheckpointError, IncompleteCheckpointError, RankAgreementError, SaveFailedError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    IncompleteCheckpointError,
+    RankAgreementError,
+    SaveFailedError,
+)
 from .background import COMMITTED, FAILED, StagingPool
 from .outcomes import Outcomes
 from .saves import Committed, SaveJob, SaveView
@@ -296,6 +302,18 @@ class Committer:
         assert self._lock is not None
         layout = self._layout
         files = list_files(job.staging_dir)
+        for name in sorted(set(checksums) - set(files)):  # a listing can lag another client's file (NFS)
+            entry = (job.staging_dir / name).entry()
+            if entry is not None and entry.kind == FILE:
+                files[name] = entry.size
+        unseen = sorted(set(checksums) - set(files))
+        if unseen:  # a rank wrote them where rank 0 cannot see them: never commit without them
+            raise ConfigError(
+                f"rank 0 does not see {', '.join(unseen[:5])} in {job.staging_dir}, which other ranks "
+                f"wrote there: the root is not one directory that every rank shares (a node-local "
+                f"path on several nodes?). Give every rank the same shared directory, or an s3:// URL; "
+                f"step {job.step} was not committed."
+            )
         # Checksums the writers could not compute as they wrote (DCP's own .metadata and, with
         # SAFECKPT_DCP_IO=torch, every file) are computed from the files, still in the page cache.
         sums = {

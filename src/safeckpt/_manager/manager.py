@@ -36,9 +36,11 @@ from .._store.registry import open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
 from .durable import DurableTier
+from .leader_wait import on_leader
+from .one_local_dir import check_one_local_dir
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
-from .uploads import not_uploaded_error
+from .uploads import Uploader, not_uploaded_error
 from .wiring import wire
 
 if TYPE_CHECKING:
@@ -103,7 +105,8 @@ class CheckpointManager:
             there, with the same protocol, and is then uploaded to ``root`` (the durable tier) in
             the background, in commit order, where it is committed again. ``restore()`` takes the
             newest commit of either tier, the local copy only if every byte of it verifies. See
-            ``docs/tiers.md``. One process only, for now.
+            ``docs/tiers.md``. With several ranks, every rank passes the one directory they share
+            (the ranks of one node); a local tier on each node's own disk is not supported yet.
         local_retention: which checkpoints ``local_dir`` keeps (default: the last 2); ``retention``
             is then the durable tier's. A local checkpoint is never pruned before its upload
             committed.
@@ -176,11 +179,11 @@ class CheckpointManager:
         parts = Participants.create(timeout=timeout, group=process_group)
         durable = None
         if self.local_dir is not None:
-            if parts.world_size > 1 or registrar is not None:
+            if registrar is not None:
                 parts.release()
                 raise ConfigError(
-                    "local_dir= works with one process and no registrar, for now; for several ranks "
-                    "or a registrar, save to the root directly (without local_dir=)."
+                    "local_dir= works without a registrar, for now; to register checkpoints, save "
+                    "to the root directly (without local_dir=)."
                 )
             durable = DurableTier(
                 store,
@@ -192,6 +195,11 @@ class CheckpointManager:
                 io=io,
             )
             store = open_store(self.local_dir, ops=file_ops)
+            try:
+                check_one_local_dir(store, parts, read_only=self.read_only)
+            except BaseException:
+                parts.release()
+                raise
         self.local_retention: Retention | Policy | None = None
         if durable is not None:
             self.local_retention = local_retention if local_retention is not None else Retention(keep_last=2)
@@ -262,14 +270,19 @@ class CheckpointManager:
         self._check_open()
         if self._writer is not None:
             self._writer.wait_idle()
-        if (
-            durable
-            and self._uploader is not None
-            and not self._uploader.wait(self.upload_timeout, give_up_on_failure=True)
-        ):
-            steps, error = self._uploader.waiting()
-            raise not_uploaded_error(self.root, self.local_dir, steps, error)
-        self._outcomes.conclude(None, what="wait()")
+        error: BaseException | None = None
+        if durable and self._durable is not None:
+            uploaded = on_leader(
+                self._parts,
+                lambda beat: self._uploads().wait(
+                    self.upload_timeout, give_up_on_failure=True, heartbeat=beat
+                ),
+                what="wait(durable=True): rank 0's uploads",
+            )
+            if uploaded is False:  # rank 0's answer; the other ranks have none (None)
+                steps, cause = self._uploads().waiting()
+                error = not_uploaded_error(self.root, self.local_dir, steps, cause)
+        self._outcomes.conclude(error, what="wait()")
 
     def flush(self) -> None:
         """Like :meth:`wait`: call it before changing the model's structure or device.
@@ -402,7 +415,7 @@ class CheckpointManager:
         if self._writer is not None:
             attempt(self._writer.close)
         attempt(self._committer.close_registration)
-        if self._uploader is not None:
+        if self._durable is not None:
             attempt(self._close_uploads)
         attempt(self._committer.prune_held_back)
         self._plans.forget()
@@ -423,10 +436,21 @@ class CheckpointManager:
             if self._writer is None or not self._writer.alive:
                 self._parts.release()
 
+    def _uploads(self) -> Uploader:
+        assert self._uploader is not None  # rank 0 of a manager with local_dir=
+        return self._uploader
+
     def _close_uploads(self) -> None:
-        """Wait for the uploads while they succeed; what is left is uploaded by the next start."""
-        assert self._uploader is not None
-        left, self._upload_stuck = self._uploader.close(self.upload_timeout)
+        """Collective: rank 0 waits for the uploads while they succeed; what is left is uploaded
+        by the next start."""
+        closed = on_leader(
+            self._parts,
+            lambda beat: self._uploads().close(self.upload_timeout, heartbeat=beat),
+            what="close(): rank 0's uploads",
+        )
+        if closed is None:  # not rank 0
+            return
+        left, self._upload_stuck = closed
         if self._upload_stuck:
             # Its lock and owner record stay held (a lease expires on its own): never a second
             # writer beside a request still in flight.

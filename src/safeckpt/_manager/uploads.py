@@ -35,6 +35,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from .durable import DurableTier
+from .leader_wait import Heartbeat
 from .saves import Committed, SaveView
 
 logger = logging.getLogger("safeckpt.manager")
@@ -97,12 +98,15 @@ class Uploader:
                 last,
             )
 
-    def upload_earlier(self, committed: list[Committed]) -> None:
+    def upload_earlier(
+        self, committed: list[Committed], *, heartbeat: Heartbeat | None = None
+    ) -> None:
         """At start: upload the local commits an earlier run left without an upload, before training
         goes on; if the durable tier cannot be reached, they wait in the queue (with a warning).
 
         One older than the durable root's newest commit is not uploaded: this local directory is
-        behind the run (the job went on elsewhere), and uploading it would roll the root back."""
+        behind the run (the job went on elsewhere), and uploading it would roll the root back.
+        ``heartbeat``: as for :meth:`wait`."""
         newest = self._durable.newest()
         waiting = []
         for c in sorted(committed, key=lambda c: (c.record.seq or 0, c.record.step)):
@@ -133,17 +137,15 @@ class Uploader:
             "safeckpt: uploading step(s) %s, committed locally but not uploaded by the last run",
             ", ".join(str(c.record.step) for c in waiting),
         )
-        try:
-            self._work_until_empty()
-        except Exception as e:
+        self._start()
+        if not self.wait(give_up_on_failure=True, heartbeat=heartbeat):
             logger.warning(
                 "safeckpt: could not upload step(s) %s to %s (%s); training goes on, and they are "
                 "uploaded in the background once it can be reached",
-                ", ".join(map(str, sorted(c.record.step for c in self._queue))),
+                ", ".join(map(str, self.waiting()[0])),
                 self._durable.root,
-                e,
+                self._last_error,
             )
-            self._start()
 
     def held(self) -> frozenset[int]:
         """Local steps that local retention keeps: every commit whose record is not marked as
@@ -154,32 +156,53 @@ class Uploader:
             if c.record.uploaded is None and (c.record.step, c.record.seq) not in self._dropped
         )
 
-    def wait(self, timeout: float | None = None, *, give_up_on_failure: bool = False) -> bool:
+    def wait(
+        self,
+        timeout: float | None = None,
+        *,
+        give_up_on_failure: bool = False,
+        heartbeat: Heartbeat | None = None,
+    ) -> bool:
         """Until the queue is empty (True), ``timeout`` passes, the uploader closes, or, with
-        ``give_up_on_failure``, a try fails. False when something is still waiting."""
+        ``give_up_on_failure``, a try fails. False when something is still waiting.
+
+        ``heartbeat`` is sent every ``heartbeat.every`` s meanwhile, outside the lock: rank 0 tells
+        the other ranks, which wait in a collective whose timeout an upload may outlast, that it
+        still waits (see :mod:`.leader_wait`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wake.set()  # someone waits: a try now, not after the rest of a pause
         with self._cond:
             failures = self._failures
-            while self._queue:
+        every = heartbeat.every if heartbeat is not None else 1.0
+        beat = time.monotonic() + every
+        while True:
+            with self._cond:
+                if not self._queue:
+                    return True
                 if self._closed or (give_up_on_failure and self._failures > failures):
                     return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                now = time.monotonic()
+                if deadline is not None and deadline <= now:
                     return False
-                self._cond.wait(left if left is not None else 1.0)
-            return True
+                until = min(beat, deadline if deadline is not None else beat)
+                self._cond.wait(max(0.0, until - now))
+            if time.monotonic() >= beat:
+                if heartbeat is not None:
+                    heartbeat.send()
+                beat = time.monotonic() + every
 
     def waiting(self) -> tuple[list[int], BaseException | None]:
         """The steps still queued, and the last failure."""
         with self._cond:
             return [c.record.step for c in self._queue], self._last_error
 
-    def close(self, timeout: float) -> tuple[list[int], bool]:
+    def close(
+        self, timeout: float, *, heartbeat: Heartbeat | None = None
+    ) -> tuple[list[int], bool]:
         """Wait up to ``timeout`` s while uploads succeed, then stop the thread; the steps left (the
         next start uploads them), and whether the thread is still running (stuck in a request)."""
         deadline = time.monotonic() + timeout
-        self.wait(timeout, give_up_on_failure=True)
+        self.wait(timeout, give_up_on_failure=True, heartbeat=heartbeat)
         with self._cond:
             self._closed = True
             left = sorted(c.record.step for c in self._queue)
@@ -210,13 +233,6 @@ class Uploader:
                 return
             except Exception as e:
                 self._failed(e)
-
-    def _work_until_empty(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:
-                    return
-            self._work_one()
 
     def _work_one(self) -> None:
         """Upload the queue's head; drop it when done, or when it can never be uploaded."""

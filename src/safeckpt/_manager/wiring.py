@@ -26,6 +26,7 @@ from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
 from .durable import DurableTier
+from .leader_wait import Heartbeat, on_leader
 from .outcomes import Outcomes
 from .pins import Pins
 from .preemption import PreemptionHandlers
@@ -139,8 +140,13 @@ def wire(
         make_room=LocalRoom(layout, view, session).make_room if uploader is not None else None,
     )
     owns_local = session.ownership is not None and session.ownership.claimed
-    if uploader is not None and not read_only and owns_local:  # a live job's own commits are its own
-        uploader.upload_earlier(view.committed())
+
+    def upload_earlier(heartbeat: Heartbeat) -> None:
+        if uploader is not None and not read_only and owns_local:  # a live job's commits are its own
+            uploader.upload_earlier(view.committed(), heartbeat=heartbeat)
+
+    if durable is not None:  # rank 0 uploads; the other ranks wait with it
+        on_leader(parts, upload_earlier, what="uploading what an earlier run left")
     writer = BackgroundWriter(committer.persist, on_crash=committer.crashed) if async_save else None
     triggers = Triggers(parts, schedule, signals)
     resumer = Resumer(

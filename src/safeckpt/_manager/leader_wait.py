@@ -1,0 +1,42 @@
+"""Rank 0 waits for something that may outlast a collective's timeout; the other ranks wait with it.
+
+The upload of a large checkpoint can take longer than the control group's
+timeout, and ``wait(durable=True)``, ``close()`` and a start that uploads what
+an earlier run left wait for it on rank 0 while the other ranks would sit in
+the next collective. So rank 0 sends a heartbeat (a broadcast) several times
+per timeout while it waits, and a last one when it is done; the other ranks
+wait broadcast by broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .._dist.participants import Participants
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a long wait on rank 0 calls every ``every`` seconds."""
+
+    every: float
+    send: Callable[[], None]
+
+
+def on_leader(parts: Participants, work: Callable[[Heartbeat], T], *, what: str) -> T | None:
+    """Collective: rank 0's ``work(heartbeat)`` result (None on the other ranks)."""
+    every = max(0.05, min(5.0, parts.timeout / 4))
+    if not parts.distributed:
+        return work(Heartbeat(every, lambda: None))
+    if not parts.is_leader:
+        while not parts.broadcast(None, parts.control, what=what):
+            pass
+        return None
+    try:
+        return work(Heartbeat(every, lambda: parts.broadcast(False, parts.control, what=what)))
+    finally:
+        parts.broadcast(True, parts.control, what=what)
