@@ -104,12 +104,7 @@ class StagingSlot:
         self, tree: dict[Any, Any], sources: list[torch.Tensor], metas: list[Any]
     ) -> dict[Any, Any]:
         keys = tuple(tree)
-        if (
-            keys != self._flat_keys
-            or metas != self._flat_meta
-            or any(not _fits(self._flat_bufs[i], sources[i]) for i in self._flat_special)
-        ):
-            self._plan_flat(keys, sources, metas)
+        self._ensure_plan(keys, sources, metas)
         bufs = self._flat_bufs
         with torch.no_grad():  # a copy from a parameter must not record autograd history
             if self._flat_special:  # DTensors and device tensors: one by one
@@ -125,6 +120,22 @@ class StagingSlot:
         if self._flat_device:
             torch.cuda.synchronize()
         return dict(zip(keys, bufs, strict=True))
+
+    def buffers_for(self, tree: dict[Any, torch.Tensor]) -> dict[Any, Any]:
+        """The buffers a flat dict of tensors is staged into, allocated or reused, not copied
+        into: for a copy made elsewhere (:mod:`.overlap`)."""
+        sources = list(tree.values())
+        keys = tuple(tree)
+        self._ensure_plan(keys, sources, list(map(_META, sources)))
+        return dict(zip(keys, self._flat_bufs, strict=True))
+
+    def _ensure_plan(self, keys: tuple[Any, ...], sources: list[torch.Tensor], metas: list[Any]) -> None:
+        if (
+            keys != self._flat_keys
+            or metas != self._flat_meta
+            or any(not _fits(self._flat_bufs[i], sources[i]) for i in self._flat_special)
+        ):
+            self._plan_flat(keys, sources, metas)
 
     def _plan_flat(self, keys: tuple[Any, ...], sources: list[torch.Tensor], metas: list[Any]) -> None:
         """(Re)build the flat plan, keeping every buffer that still fits its key."""

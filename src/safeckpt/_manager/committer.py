@@ -204,6 +204,8 @@ class Committer:
         sums: dict[str, Any] = {}
         prints: dict[str, int] = {}
         try:
+            if job.pending is not None:  # overlap_staging: the copy into the slot, finished
+                job.pending.wait()
             if parts.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
                 prints = fingerprints(job.dcp_state, job.step)
             self._store.make_dir(job.staging_dir.key)
@@ -215,6 +217,8 @@ class Committer:
             self._store.write_new((job.staging_dir / train_name).key, job.train_state)
             sums = {name: checksum.to_json() for name, checksum in written.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
+            if job.pending is not None and job.pending.error is not None:
+                raise job.pending.error  # after the collective write: every rank learns it next
         except _WRITE_ERRORS as e:
             error = e
         finally:

@@ -110,6 +110,12 @@ class CheckpointManager:
         local_retention: which checkpoints ``local_dir`` keeps (default: the last 2); ``retention``
             is then the durable tier's. A local checkpoint is never pruned before its upload
             committed.
+        overlap_staging: with ``async_save``, ``save()`` returns once it has recorded what to copy;
+            the copy into the staging buffers runs in the background while training goes on. Each
+            optimizer in the state waits, before its ``step()``, for its parameters and state, and
+            each module, before its forward, for its buffers; any other tensor is copied before
+            ``save()`` returns. A checkpoint holds the state at ``save()`` exactly; a tensor changed
+            in place by hand before its copy fails that save. See ``docs/overlap.md``.
         upload_timeout: how long ``close()`` waits for uploads still running or queued; it stops
             waiting at a failed try (the next start uploads what is left).
 
@@ -144,6 +150,7 @@ class CheckpointManager:
         local_dir: str | os.PathLike[str] | None = None,
         local_retention: Retention | Policy | None = None,
         upload_timeout: float = 3600.0,
+        overlap_staging: bool = False,
     ) -> None:
         positive_int("queue_depth", queue_depth)
         lock_timeout = positive_seconds("lock_timeout", lock_timeout)
@@ -156,6 +163,11 @@ class CheckpointManager:
                     f"{name} must be a safeckpt.Retention or a Policy (an object with keep(infos) and "
                     f"reason()), got {type(policy).__name__}."
                 )
+        if overlap_staging and not async_save:
+            raise ConfigError(
+                "overlap_staging=True copies the state in the background after save() returns; it "
+                "needs async_save=True (a sync save has written the state when it returns)."
+            )
         if local_dir is None and local_retention is not None:
             raise ConfigError("local_retention= is the retention of local_dir=; pass local_dir= too.")
         if schedule is not None and not isinstance(schedule, SaveSchedule):
@@ -219,6 +231,7 @@ class CheckpointManager:
             registration_timeout=self.registration_timeout,
             io=io,
             durable=durable,
+            overlap=bool(overlap_staging),
         )
         self._durable, self._uploader = durable, w.uploader
         self._upload_stuck = False
@@ -268,6 +281,7 @@ class CheckpointManager:
         waiting when an upload fails meanwhile (they are tried again in the background).
         """
         self._check_open()
+        self._saver.settle()
         if self._writer is not None:
             self._writer.wait_idle()
         error: BaseException | None = None
@@ -325,6 +339,7 @@ class CheckpointManager:
         ``docs/state.md``.
         """
         self._check_open()
+        self._saver.settle()  # a restore writes into the tensors a save may still be copying
         return self._resumer.restore(
             state, step=step, path=path, strict=strict, include=include, exclude=exclude
         )
@@ -409,6 +424,7 @@ class CheckpointManager:
             except BaseException as e:
                 errors.append(e)
 
+        attempt(self._saver.settle)  # nothing of the manager stays on the user's modules
         if self._writer is not None:
             attempt(self._writer.wait_idle)
         self._closed = True

@@ -24,6 +24,7 @@ from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
 from .outcomes import Outcomes, taken_anyway
+from .overlap import OverlappedCopy, stage_overlapped
 from .saves import SaveJob, SaveView
 from .session import RootSession
 from .triggers import Triggers
@@ -52,7 +53,9 @@ class Saver:
         pool: StagingPool | None,
         writer: BackgroundWriter | None,
         state_cache: StateCache,
+        overlap: bool = False,
     ) -> None:
+        """``overlap``: stage in the background, guarded by hooks (:mod:`.overlap`)."""
         self.root = root
         self.save_rng = save_rng
         self._token = token  # the same on every rank: names the staging directory all ranks write
@@ -67,7 +70,17 @@ class Saver:
         self._pool = pool
         self._writer = writer
         self._state_cache = state_cache
+        self._overlap = overlap
+        self._pending: OverlappedCopy | None = None  # the last save's copy, while it may run
         self._seq = 0
+
+    def settle(self) -> None:
+        """Wait for the last save's overlapped copy and remove its hooks (training thread, outside
+        a forward or a step: every manager call that reads or changes the state comes here first)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+            pending.remove_hooks()
 
     def save(
         self,
@@ -82,6 +95,7 @@ class Saver:
         # the sequence number names the staging directory all ranks write into.
         self._seq += 1
         self._triggers.saved()
+        self.settle()  # a copy still running when the next save comes: the one other wait
         error: BaseException | None = None
         job: SaveJob | None = None
         try:
@@ -107,7 +121,11 @@ class Saver:
             if self._pool is not None:
                 job.slot = self._acquire_slot(step)
                 with collector_paused():
-                    job.dcp_state = job.slot.stage(captured.dcp)
+                    if self._overlap:
+                        job.dcp_state, job.pending = stage_overlapped(job.slot, captured)
+                        self._pending = job.pending
+                    else:
+                        job.dcp_state = job.slot.stage(captured.dcp)
             else:
                 job.dcp_state = captured.dcp
         except BaseException as e:

@@ -28,6 +28,7 @@ from .._store.loc import Loc
 from ..errors import CheckpointError
 from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
 from .ledger import Flight, SaveLedger
+from .overlap import OverlappedCopy
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class SaveJob(Flight):
     time: float
     pinned: bool = False
     slot: StagingSlot | None = None
+    pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # rank 0 committed it (set by the commit itself)
     submitted: float = field(default_factory=time.monotonic)
 

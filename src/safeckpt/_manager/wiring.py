@@ -75,6 +75,7 @@ def wire(
     registration_timeout: float,
     io: IOOptions,
     durable: DurableTier | None = None,
+    overlap: bool = False,
 ) -> Wiring:
     """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails.
 
@@ -176,6 +177,7 @@ def wire(
         pool=pool,
         writer=writer,
         state_cache=state_cache,
+        overlap=overlap,
     )
     return Wiring(
         view,

@@ -99,6 +99,9 @@ class Captured:
 
     dcp: dict[str, torch.Tensor]
     train_state: bytes
+    modules: list[nn.Module] = field(default_factory=list)
+    """The modules and optimizers found in the state (what overlapped staging hooks)."""
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +125,8 @@ class StateCache:
     hits: int = 0
     misses: int = 0
     state_dicts: StateDicts = field(default_factory=StateDicts)
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     """Models' and optimizers' FQN-keyed state dicts (see :mod:`safeckpt._state.state_dicts`)."""
 
 
@@ -132,6 +137,8 @@ class _Collected:
     signature: list[Any] = field(default_factory=list)
     expanded: list[Any] = field(default_factory=list)  # state_dict() results, in walk order
     state_dicts: StateDicts = field(default_factory=StateDicts)
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
 def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = None) -> Captured:
@@ -168,7 +175,7 @@ def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = N
     blob = encode_train_state(
         plan.tree_json, values_json, capture_rng() if rng else None, tensors, per_rank=plan.per_rank
     )
-    return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), blob)
+    return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), blob, got.modules, got.optimizers)
 
 
 # --- the fast walk: tensors, values and the structure signature ------------------------------
@@ -189,11 +196,13 @@ def _collect(value: Any, got: _Collected, root: Mapping[Any, Any]) -> None:
         got.values.append(value.saved())  # one value: its tensors go into the train-state file
     elif isinstance(value, nn.Module):
         got.signature.append(_MODULE)
+        got.modules.append(value)
         expanded = got.state_dicts.model(value)
         got.expanded.append(expanded)
         _collect_mapping(expanded, got, root)
     elif isinstance(value, torch.optim.Optimizer):
         got.signature.append(_OPTIM)
+        got.optimizers.append(value)
         # Where, for the error: the describing walk names the path; here it is not known.
         expanded = got.state_dicts.optimizer(_module_or_raise(value, root), value)
         got.expanded.append(expanded)

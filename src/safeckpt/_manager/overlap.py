@@ -1,0 +1,272 @@
+"""Staging that overlaps the next step (``overlap_staging=True``): ``save()`` returns once it has
+recorded what to copy; the copy runs on a thread of its own while training goes on.
+
+Nothing changes a model's parameters or an optimizer's state before that
+optimizer's ``step()``, and a module's buffers change only in a forward pass
+(BatchNorm's running statistics). So each tensor of the state is *guarded*
+by the hook that runs before the first change it can see:
+
+* an optimizer in the state guards its parameters and its own state: a step
+  pre-hook copies (or waits for) what of them is not copied yet;
+* a module in the state guards its buffers: a forward pre-hook copies (or
+  waits for) them; a submodule with buffers of its own guards those (its
+  forward may run without its parent's, e.g. a block called by hand);
+* any other tensor (one no hook can guard: a plain tensor, a parameter no
+  optimizer in the state steps) is copied before ``save()`` returns.
+
+Whoever comes first copies a guarded group: the thread or the hook, under the
+group's lock, so the checkpoint holds each tensor as it was when ``save()`` was
+called. What no hook can see, a change made by hand in place, is caught where
+it costs nothing: each tensor's version counter is recorded at ``save()`` and
+checked before its copy; a changed one fails the save (never a silent mix).
+Once all is copied the hooks do nothing; they are removed at the next call
+into the manager (removing one from inside PyTorch's loop over hooks, on
+another thread, could break that loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._state.walk import Captured
+from .._util.torch_private import foreach_copy_
+from ..errors import SaveFailedError
+from .background import StagingSlot
+
+logger = logging.getLogger("safeckpt.manager")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard
+    return to_local if isinstance(to_local, torch.Tensor) else tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return _local(tensor).untyped_storage().data_ptr()
+
+
+@dataclass
+class _Copy:
+    key: str
+    source: torch.Tensor  # the live tensor's local part
+    target: torch.Tensor  # its staging buffer's local part
+    version: int  # the source's version counter at save()
+
+
+@dataclass
+class _Group:
+    """The tensors one hook guards."""
+
+    what: str
+    copies: list[_Copy]
+    owners: list[Any]  # the optimizer, or the module and the state's module above it: hooked
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    event: Any = None  # CUDA: when its copies on the side stream are done
+
+
+class OverlappedCopy:
+    """One save's copy into its staging buffers: the unguarded part at ``save()``, each guarded
+    group by the background thread or by its hook, whichever comes first.
+
+    Call rules: built and :meth:`start` ed on the training thread; :meth:`wait` from any thread;
+    :meth:`remove_hooks` on the training thread, outside a forward or a step.
+    """
+
+    def __init__(self, groups: list[_Group], *, stream: Any = None, ready: Any = None) -> None:
+        self._groups = groups
+        self._stream = stream  # CUDA: the side stream the background copies run on
+        self._ready = ready  # CUDA: the training stream's work up to save()
+        self._done = threading.Event()
+        self._handles: list[Any] = []
+        self.error: SaveFailedError | None = None
+        self._thread: threading.Thread | None = None
+
+    def guard(self) -> None:
+        """Hook each group's owners: one hook per owner, copying its groups in order."""
+        by_owner: dict[int, tuple[Any, list[_Group]]] = {}
+        for group in self._groups:
+            for owner in group.owners:
+                by_owner.setdefault(id(owner), (owner, []))[1].append(group)
+        for owner, groups in by_owner.values():
+            if isinstance(owner, torch.optim.Optimizer):
+                self._handles.append(owner.register_step_pre_hook(self._hook(groups)))
+            else:
+                self._handles.append(owner.register_forward_pre_hook(self._hook(groups)))
+
+    def start(self) -> None:
+        if not self._groups:
+            self._done.set()
+            return
+        self._thread = threading.Thread(target=self._run, name="safeckpt-stage", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Until every group is copied (the writer thread, before it writes; the next ``save()``)."""
+        self._done.wait()
+        for group in self._groups:
+            if group.event is not None:
+                group.event.synchronize()
+
+    def remove_hooks(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _hook(self, groups: list[_Group]) -> Callable[..., None]:
+        def before(*_: Any) -> None:
+            for group in groups:
+                if not group.done or group.event is not None:
+                    self._copy(group, on_training_thread=True)
+
+        return before
+
+    def _run(self) -> None:
+        try:
+            for group in self._groups:
+                self._copy(group, on_training_thread=False)
+        except BaseException as e:  # never leave a waiter hanging
+            self._fail(f"staging failed ({type(e).__name__}: {e})")
+            logger.error("safeckpt: overlapped staging failed: %s", e)
+        finally:
+            self._done.set()
+
+    def _copy(self, group: _Group, *, on_training_thread: bool) -> None:
+        with group.lock:
+            if not group.done:
+                changed = [c.key for c in group.copies if c.source._version != c.version]
+                if changed:
+                    self._fail(
+                        f"{', '.join(changed[:5])} changed in place after save() and before it was "
+                        f"copied, outside what guards it ({group.what}): the checkpoint would not "
+                        "hold the state at save(). Change tensors of the state only through its "
+                        "optimizer and forward passes while a save with overlap_staging=True is "
+                        "copying, or call mgr.wait() first"
+                    )
+                else:
+                    self._copy_group(group, on_training_thread)
+                group.done = True
+            if on_training_thread and group.event is not None:
+                # CUDA: the step's kernels wait for the side stream's copy of this group.
+                torch.cuda.current_stream().wait_event(group.event)
+
+    def _copy_group(self, group: _Group, on_training_thread: bool) -> None:
+        with torch.no_grad():
+            if all(c.source.device.type == "cpu" for c in group.copies):
+                for c in group.copies:
+                    c.target.copy_(c.source)
+                return
+            # CUDA: into pinned buffers without blocking; an event says when. The background
+            # thread's side stream first waits for the training stream's work up to save().
+            side = self._stream is not None and not on_training_thread
+            stream = self._stream if side else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                if side:
+                    stream.wait_event(self._ready)
+                for c in group.copies:
+                    c.target.copy_(c.source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                group.event = event
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = SaveFailedError(f"this save failed: {why}. Earlier checkpoints are untouched.")
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    return f"the step pre-hook of {type(optimizer).__name__} at {id(optimizer):#x}"
+
+
+def _module_name(module: nn.Module) -> str:
+    return f"the forward pre-hook of {type(module).__name__} at {id(module):#x}"
+
+
+def plan_copy(
+    sources: dict[str, torch.Tensor],
+    targets: dict[str, torch.Tensor],
+    optimizers: Sequence[torch.optim.Optimizer],
+    modules: Sequence[nn.Module],
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[_Group]]:
+    """Split a save's copies: the unguarded ones (to copy now, as ``(target, source)``), and the
+    groups each hook guards."""
+    guard_of: dict[int, str] = {}
+    shared: set[int] = set()
+    owners: dict[str, list[Any]] = {}
+
+    def claim(tensors: Iterable[torch.Tensor], what: str) -> None:
+        for tensor in tensors:
+            key = _storage_key(tensor)
+            if guard_of.setdefault(key, what) != what:
+                shared.add(key)  # two guards over one storage: neither alone can keep it
+
+    for optimizer in optimizers:
+        what = _optimizer_name(optimizer)
+        owners[what] = [optimizer]
+        claim((p for group in optimizer.param_groups for p in group["params"]), what)
+        claim(
+            (v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)),
+            what,
+        )
+    for module in modules:
+        for owner in module.modules():
+            own = [b for b in owner.buffers(recurse=False) if b is not None]
+            if own:
+                what = _module_name(owner)
+                # The state's module too: its forward runs first, and a wrapper's (DDP's buffer
+                # broadcast) may change them before the submodule's own hook would run.
+                owners.setdefault(what, [owner])
+                if module is not owner and module not in owners[what]:
+                    owners[what].append(module)
+                claim(own, what)
+    now: list[tuple[torch.Tensor, torch.Tensor]] = []
+    groups: dict[str, _Group] = {}
+    for key, source in sources.items():
+        local, target = _local(source).detach(), _local(targets[key])
+        what = guard_of.get(_storage_key(source))
+        if what is None or _storage_key(source) in shared:
+            now.append((target, local))
+            continue
+        if what not in groups:
+            groups[what] = _Group(what, [], owners[what])
+        groups[what].copies.append(_Copy(key, local, target, local._version))
+    return now, list(groups.values())
+
+
+def stage_overlapped(slot: StagingSlot, captured: Captured) -> tuple[dict[str, Any], OverlappedCopy]:
+    """Stage ``captured`` into ``slot``: the unguarded tensors now, the rest in the background.
+
+    Returns the staged tree (the slot's buffers: whole once the copy's :meth:`~OverlappedCopy.wait`
+    returns) and that copy, started, with its hooks in place.
+    """
+    targets = slot.buffers_for(captured.dcp)
+    now, groups = plan_copy(captured.dcp, targets, captured.optimizers, captured.modules)
+    with torch.no_grad():
+        host = [(t, s) for t, s in now if s.device.type == "cpu"]
+        if host:
+            foreach_copy_([t for t, _ in host], [s for _, s in host])
+        for target, source in now:
+            if source.device.type != "cpu":
+                target.copy_(source, non_blocking=True)
+    stream = ready = None
+    if any(c.source.device.type == "cuda" for g in groups for c in g.copies):
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        stream = torch.cuda.Stream()
+    if any(s.device.type == "cuda" for _, s in now):
+        torch.cuda.current_stream().synchronize()  # an unguarded tensor is the user's again now
+    pending = OverlappedCopy(groups, stream=stream, ready=ready)
+    pending.guard()
+    pending.start()
+    return targets, pending
