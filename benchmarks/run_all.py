@@ -111,6 +111,13 @@ SECTIONS: tuple[Section, ...] = (
         runs=1,  # rounds of both managers in one run; prints its own Markdown
     ),
     Section(
+        key="bench_overlap",
+        title="Overlapped staging: what save() blocks, and the step after it",
+        command=(PYTHON, "benchmarks/bench_overlap.py"),
+        quick=("--width", "1024", "--reps", "5"),
+        runs=1,  # rotated rounds in one run; prints its own Markdown
+    ),
+    Section(
         key="bench_state",
         title="Nested state: state dicts, Stateful wrappers, 10,000 tensors",
         command=(PYTHON, "benchmarks/bench_state.py"),
