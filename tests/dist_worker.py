@@ -214,6 +214,70 @@ def stale_view_restore(rank: int, ws: int, root: Path, results: Path) -> dict[st
         return {"step": mgr.restore(state).step}
 
 
+def _overlap_model(world_size: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    if kind == "ddp":  # BatchNorm: DDP broadcasts its buffers at the start of each forward
+        model: nn.Module = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        model = build(world_size)["model"]
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _local_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def local(t: Any) -> Any:
+        if hasattr(t, "to_local"):
+            return t.to_local().clone()
+        return t.clone() if isinstance(t, torch.Tensor) else t
+
+    flat = {f"model.{k}": local(v) for k, v in model.state_dict().items()}
+    for pid, st in optim.state_dict()["state"].items():
+        flat |= {f"optim.{pid}.{k}": local(v) for k, v in st.items()}
+    return flat
+
+
+def overlap_exact(rank: int, ws: int, root: Path, results: Path, *, kind: str) -> dict[str, Any]:
+    """overlap_staging=True on every rank, the background copy held until two more steps ran: each
+    rank's checkpoint is its state at save()."""
+    import threading
+
+    from safeckpt._manager import overlap
+
+    go = threading.Event()
+    real = overlap.OverlappedCopy._run
+    overlap.OverlappedCopy._run = lambda self: (go.wait(60), real(self))[1]  # type: ignore[method-assign]
+    model, optim = _overlap_model(ws, kind)
+    # DDP: the same batches on every rank, so the BatchNorm statistics every rank holds are alike
+    # (DCP keeps one copy of a plain tensor, from any rank); FSDP2: each rank's own shards.
+    gen = torch.Generator().manual_seed(100 + (0 if kind == "ddp" else rank))
+
+    def step() -> None:
+        model(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    expected = _local_state(model, optim)
+    with CheckpointManager(root, overlap_staging=True) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        step()
+        step()
+        go.set()
+        mgr.wait()
+    changed = [k for k, v in _local_state(model, optim).items() if not torch.equal(v, expected[k])]
+    fresh, fresh_optim = _overlap_model(ws, kind)
+    with CheckpointManager(root) as mgr:
+        mgr.restore({"model": fresh, "optim": fresh_optim})
+    got = _local_state(fresh, fresh_optim)
+    buffers = {f"model.{k}" for k, _ in model.named_buffers()}
+    checked = [k for k in expected if kind == "ddp" or k not in buffers]
+    return {
+        "mismatch": [k for k in checked if not torch.equal(got[k], expected[k])],
+        "checked": len(checked),
+        "changed_since": len(changed),
+    }
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     f.__name__: f
     for f in (
@@ -224,6 +288,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
         one_rank_lost,
         leader_rejects_a_save,
         stale_view_restore,
+        overlap_exact,
     )
 }
 

@@ -249,3 +249,13 @@ def test_hooks_are_gone_after_close_and_the_next_save_waits_for_the_copy(
 def test_overlap_staging_needs_async_save(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs async_save=True"):
         CheckpointManager(tmp_path / "r", async_save=False, overlap_staging=True)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_every_rank_checkpoints_its_state_at_save_under_fsdp2_and_ddp(tmp_path: Path, kind: str) -> None:
+    from test_distributed import launch, results_of
+
+    reports = results_of(launch("overlap_exact", 2, tmp_path / "root", tmp_path / "results", kind=kind))
+    for report in reports:
+        assert report["changed_since"] > 0  # the steps after save() did change the state
+        assert report["checked"] > 0 and report["mismatch"] == [], report
