@@ -110,7 +110,14 @@ def test_outcomes_raise_a_failed_background_save_once(root: Path) -> None:
     view = SaveView()
     outcomes = Outcomes(Participants(), view)
     job = SaveJob(
-        seq=1, step=5, staging_dir=root, dcp_state=None, train_state=b"", metrics={}, extra={}, time=0.0
+        seq=1,
+        step=5,
+        staging_dir=root,
+        dcp_state=None,
+        encode_train_state=bytes,
+        metrics={},
+        extra={},
+        time=0.0,
     )
     view.add(job)
     view.finish(job, "failed", SaveFailedError("the disk is full", step=5))

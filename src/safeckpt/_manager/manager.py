@@ -424,7 +424,7 @@ class CheckpointManager:
             except BaseException as e:
                 errors.append(e)
 
-        attempt(self._saver.settle)  # nothing of the manager stays on the user's modules
+        attempt(self._saver.close)  # nothing of the manager stays on the user's modules
         if self._writer is not None:
             attempt(self._writer.wait_idle)
         self._closed = True

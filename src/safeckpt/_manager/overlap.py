@@ -27,6 +27,7 @@ another thread, could break that loop).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class OverlappedCopy:
     """One save's copy into its staging buffers: the unguarded part at ``save()``, each guarded
     group by the background thread or by its hook, whichever comes first.
 
-    Call rules: built and :meth:`start` ed on the training thread; :meth:`wait` from any thread;
+    Call rules: built and started (:meth:`start`) on the training thread; :meth:`wait` from any thread;
     :meth:`remove_hooks` on the training thread, outside a forward or a step.
     """
 
@@ -87,7 +88,6 @@ class OverlappedCopy:
         self._done = threading.Event()
         self._handles: list[Any] = []
         self.error: SaveFailedError | None = None
-        self._thread: threading.Thread | None = None
 
     def guard(self) -> None:
         """Hook each group's owners: one hook per owner, copying its groups in order."""
@@ -101,12 +101,16 @@ class OverlappedCopy:
             else:
                 self._handles.append(owner.register_forward_pre_hook(self._hook(groups)))
 
-    def start(self) -> None:
+    def start(self, copier: Copier) -> None:
         if not self._groups:
             self._done.set()
             return
-        self._thread = threading.Thread(target=self._run, name="safeckpt-stage", daemon=True)
-        self._thread.start()
+        copier.submit(self)
+
+    def cancel(self) -> None:
+        """A save refused before its copy started: no copy, and no hooks left."""
+        self.remove_hooks()
+        self._done.set()
 
     @property
     def done(self) -> bool:
@@ -185,6 +189,31 @@ class OverlappedCopy:
             self.error = SaveFailedError(f"this save failed: {why}. Earlier checkpoints are untouched.")
 
 
+class Copier:
+    """The thread that makes each save's background copy, one save after another (a manager's own:
+    a thread started per save would cost ``save()`` its start-up)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[OverlappedCopy | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, pending: OverlappedCopy) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="safeckpt-stage", daemon=True)
+            self._thread.start()
+        self._queue.put(pending)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _work(self) -> None:
+        while (pending := self._queue.get()) is not None:
+            pending._run()
+
+
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     return f"the step pre-hook of {type(optimizer).__name__} at {id(optimizer):#x}"
 
@@ -245,10 +274,11 @@ def plan_copy(
 
 
 def stage_overlapped(slot: StagingSlot, captured: Captured) -> tuple[dict[str, Any], OverlappedCopy]:
-    """Stage ``captured`` into ``slot``: the unguarded tensors now, the rest in the background.
+    """Stage ``captured`` into ``slot``: the unguarded tensors now, the rest later.
 
     Returns the staged tree (the slot's buffers: whole once the copy's :meth:`~OverlappedCopy.wait`
-    returns) and that copy, started, with its hooks in place.
+    returns) and that copy, with its hooks in place; the caller starts it as ``save()`` returns
+    (started earlier, its thread would contend for the GIL with the rest of ``save()``).
     """
     targets = slot.buffers_for(captured.dcp)
     now, groups = plan_copy(captured.dcp, targets, captured.optimizers, captured.modules)
@@ -268,5 +298,4 @@ def stage_overlapped(slot: StagingSlot, captured: Captured) -> tuple[dict[str, A
         torch.cuda.current_stream().synchronize()  # an unguarded tensor is the user's again now
     pending = OverlappedCopy(groups, stream=stream, ready=ready)
     pending.guard()
-    pending.start()
     return targets, pending

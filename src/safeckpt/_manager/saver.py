@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from .background import BackgroundWriter, StagingPool
 from .committer import Committer
 from .damaged import DamagedCommits
 from .outcomes import Outcomes, taken_anyway
-from .overlap import OverlappedCopy, stage_overlapped
+from .overlap import Copier, OverlappedCopy, stage_overlapped
 from .saves import SaveJob, SaveView
 from .session import RootSession
 from .triggers import Triggers
@@ -72,6 +72,7 @@ class Saver:
         self._state_cache = state_cache
         self._overlap = overlap
         self._pending: OverlappedCopy | None = None  # the last save's copy, while it may run
+        self._copier = Copier() if overlap else None
         self._seq = 0
 
     def settle(self) -> None:
@@ -81,6 +82,12 @@ class Saver:
         if pending is not None:
             pending.wait()
             pending.remove_hooks()
+
+    def close(self) -> None:
+        """Settle, and stop the copy thread (``close()``)."""
+        self.settle()
+        if self._copier is not None:
+            self._copier.close()
 
     def save(
         self,
@@ -117,29 +124,26 @@ class Saver:
                     step=step,
                     cause=e,
                 ) from e
-            job = self._new_job(step, captured.train_state, clean, dict(extra or {}))
+            job = self._new_job(step, captured.encode_train_state, clean, dict(extra or {}))
             if self._pool is not None:
                 job.slot = self._acquire_slot(step)
                 with collector_paused():
                     if self._overlap:
                         job.dcp_state, job.pending = stage_overlapped(job.slot, captured)
-                        self._pending = job.pending
                     else:
                         job.dcp_state = job.slot.stage(captured.dcp)
             else:
                 job.dcp_state = captured.dcp
         except BaseException as e:
             error = e
-            if job is not None:
-                job.release_staging(self._pool)
+            self._drop(job)
             if not isinstance(e, Exception):
                 raise
         what = f"save({int_or_none(step)})"
         try:
             earlier = self._outcomes.conclude(error, what=what, step=int_or_none(step), defer_background=True)
         except BaseException:
-            if job is not None:
-                job.release_staging(self._pool)
+            self._drop(job)
             raise
         assert job is not None
         self._view.add(job)
@@ -155,8 +159,20 @@ class Saver:
                 self._committer.persist(job)
             later = self._outcomes.conclude(None, what=what, step=step, defer_background=earlier is not None)
             earlier = earlier or later
+        if job.pending is not None:  # last: its thread would contend with the rest of save()
+            assert self._copier is not None
+            self._pending = job.pending
+            job.pending.start(self._copier)
         if earlier is not None:
             raise taken_anyway(earlier, job.step, async_save=self._writer is not None)
+
+    def _drop(self, job: SaveJob | None) -> None:
+        """A save refused on some rank: its staging goes back, its copy never starts."""
+        if job is None:
+            return
+        if job.pending is not None:
+            job.pending.cancel()
+        job.release_staging(self._pool)
 
     def _acquire_slot(self, step: int) -> Any:
         assert self._pool is not None
@@ -184,7 +200,11 @@ class Saver:
             )
 
     def _new_job(
-        self, step: int, train_state: bytes, metrics: dict[str, float | None], extra: dict[str, Any]
+        self,
+        step: int,
+        encode_train_state: Callable[[], bytes],
+        metrics: dict[str, float | None],
+        extra: dict[str, Any],
     ) -> SaveJob:
         token = f"{self._token}{self._seq % 0x1000000:06x}"
         return SaveJob(
@@ -192,7 +212,7 @@ class Saver:
             step=step,
             staging_dir=self._layout.staging_dir(step, token),
             dcp_state=None,
-            train_state=train_state,
+            encode_train_state=encode_train_state,
             metrics=metrics,
             extra=extra,
             time=time.time(),

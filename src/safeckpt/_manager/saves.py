@@ -14,10 +14,11 @@ the other way round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ class SaveJob(Flight):
     step: int
     staging_dir: Loc
     dcp_state: Any
-    train_state: bytes
+    encode_train_state: Callable[[], bytes]
+    """The train-state file's bytes, made when the writer asks (see ``_state.walk.Captured``)."""
     metrics: Mapping[str, float | None]
     extra: Mapping[str, Any]
     time: float
@@ -52,6 +54,10 @@ class SaveJob(Flight):
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # rank 0 committed it (set by the commit itself)
     submitted: float = field(default_factory=time.monotonic)
+
+    @functools.cached_property
+    def train_state(self) -> bytes:
+        return self.encode_train_state()
 
     def info(self) -> CheckpointInfo:
         return CheckpointInfo(self.step, self.metrics, self.time, self.pinned)
@@ -85,6 +91,10 @@ class CheckpointStatus:
 class Committed:
     path: Loc
     record: Record
+
+    @functools.cached_property
+    def train_state(self) -> bytes:
+        return self.encode_train_state()
 
     def info(self) -> CheckpointInfo:
         r = self.record

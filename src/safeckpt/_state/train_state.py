@@ -55,6 +55,9 @@ def train_state_filename(rank: int) -> str:
     return f"train_state.rank{rank}.safetensors"
 
 
+_JSON_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
 class _Encoder:
     """Turns a tree of plain values (and, for RNG states and ``per_rank`` values, tensors) into JSON
     plus a tensor table (``tensors``: shared by the encoders of one file, names never repeat)."""
@@ -74,6 +77,10 @@ class _Encoder:
                 raise unsupported(value, path)
             self.tensors[name] = tensor.to("cpu", copy=True).contiguous()
             return {"__tensor__": name}
+        if isinstance(value, (list, tuple)) and all(type(v) in _JSON_SCALARS for v in value):
+            # As the element-wise encoding below gives it, without a call per element: the
+            # Python RNG state alone is 625 ints, encoded at every save().
+            return list(value) if isinstance(value, list) else {"__tuple__": list(value)}
         if isinstance(value, list):
             return [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]
         if isinstance(value, tuple):

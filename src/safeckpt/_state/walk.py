@@ -36,8 +36,9 @@ which keeps the per-tensor cost of a 10,000-tensor state to a list append.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,10 +99,16 @@ class Captured:
     """A state at ``save()`` time: the DCP part (live tensors, by DCP key) and the train-state file."""
 
     dcp: dict[str, torch.Tensor]
-    train_state: bytes
+    encode_train_state: Callable[[], bytes]
+    """The train-state file's bytes. What it holds is taken at ``save()`` (the values encoded, the
+    RNG states read); the bytes are made when first asked for, on the writer thread."""
     modules: list[nn.Module] = field(default_factory=list)
     """The modules and optimizers found in the state (what overlapped staging hooks)."""
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+    @functools.cached_property
+    def train_state(self) -> bytes:
+        return self.encode_train_state()
 
 
 @dataclass
@@ -172,10 +179,15 @@ def capture(state: Mapping[Any, Any], *, rng: bool, cache: StateCache | None = N
         cache.hits += 1
     tensors: dict[str, torch.Tensor] = {}  # per_rank() values' tensors, copied now
     values_json = encode_values(got.values, plan.value_paths, tensors)
-    blob = encode_train_state(
-        plan.tree_json, values_json, capture_rng() if rng else None, tensors, per_rank=plan.per_rank
+    encode = functools.partial(
+        encode_train_state,
+        plan.tree_json,
+        values_json,
+        capture_rng() if rng else None,  # fresh copies: read now, encoded later
+        tensors,
+        per_rank=plan.per_rank,
     )
-    return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), blob, got.modules, got.optimizers)
+    return Captured(dict(zip(plan.fqns, got.tensors, strict=True)), encode, got.modules, got.optimizers)
 
 
 # --- the fast walk: tensors, values and the structure signature ------------------------------
