@@ -83,7 +83,11 @@ def _assert_same(a: Any, b: Any, where: str = "") -> None:
 
 
 def _save_then_train(
-    root: Path, state: dict[str, Any], train: Callable[[], None], held: threading.Event
+    root: Path,
+    state: dict[str, Any],
+    train: Callable[[], None],
+    held: threading.Event,
+    fresh: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Save with overlap, train at once (the background copy held), then return the snapshot the
     checkpoint must equal and what a restore into fresh copies reads back."""
@@ -93,7 +97,7 @@ def _save_then_train(
         train()
         held.set()
         mgr.wait()
-    fresh = copy.deepcopy(state)
+    fresh = copy.deepcopy(state) if fresh is None else fresh
     with CheckpointManager(root) as mgr:
         assert mgr.restore(fresh).step == 1
     _assert_same(_snapshot(fresh), expected)
@@ -259,3 +263,20 @@ def test_every_rank_checkpoints_its_state_at_save_under_fsdp2_and_ddp(tmp_path: 
     for report in reports:
         assert report["changed_since"] > 0  # the steps after save() did change the state
         assert report["checked"] > 0 and report["mismatch"] == [], report
+
+
+def test_a_buffer_another_forward_pre_hook_changes_is_copied_first(
+    tmp_path: Path, held: threading.Event
+) -> None:
+    # spectral_norm's power iteration updates its buffer in a forward pre-hook registered long before.
+    def build() -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = nn.utils.spectral_norm(nn.Linear(16, 4))  # the state's module: its hook comes first
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+    state = build()
+    train = _steps(state["model"], [state["optim"]])
+    _warm(train)
+    fresh = build()
+    _warm(_steps(fresh["model"], [fresh["optim"]]))  # its optimizer state exists, to be loaded into
+    _save_then_train(tmp_path / "r", state, train, held, fresh=fresh)

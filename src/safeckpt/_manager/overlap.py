@@ -98,8 +98,8 @@ class OverlappedCopy:
         for owner, groups in by_owner.values():
             if isinstance(owner, torch.optim.Optimizer):
                 self._handles.append(owner.register_step_pre_hook(self._hook(groups)))
-            else:
-                self._handles.append(owner.register_forward_pre_hook(self._hook(groups)))
+            else:  # first: a hook registered before (spectral norm's) may change a buffer
+                self._handles.append(owner.register_forward_pre_hook(self._hook(groups), prepend=True))
 
     def start(self, copier: Copier) -> None:
         if not self._groups:
