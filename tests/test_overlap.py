@@ -280,3 +280,26 @@ def test_a_buffer_another_forward_pre_hook_changes_is_copied_first(
     fresh = build()
     _warm(_steps(fresh["model"], [fresh["optim"]]))  # its optimizer state exists, to be loaded into
     _save_then_train(tmp_path / "r", state, train, held, fresh=fresh)
+
+
+def test_a_change_made_while_its_group_was_being_copied_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The copy releases the GIL: a change by hand can land while it runs. The version counters are
+    # checked again after the copy, so the torn copy is refused, never committed.
+    model = _mlp()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    _warm(_steps(model, [optim]))
+    real = overlap.OverlappedCopy._copy_group
+
+    def copy_then_changed(self: overlap.OverlappedCopy, group: Any, on_training_thread: bool) -> None:
+        real(self, group, on_training_thread)
+        with torch.no_grad():
+            model[2].bias.add_(1.0)  # as if the training thread changed it meanwhile
+
+    monkeypatch.setattr(overlap.OverlappedCopy, "_copy_group", copy_then_changed)
+    with CheckpointManager(tmp_path / "r", overlap_staging=True) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        with pytest.raises(SaveFailedError, match=r"2\.bias.*changed in place after save"):
+            mgr.wait()
+        assert mgr.latest_step is None

@@ -69,7 +69,7 @@ class StagingSlot:
     def nbytes(self) -> int:
         total = 0
         for buf in self._buffers.values():
-            local = _local(buf)
+            local = local_part(buf)
             total += local.numel() * local.element_size()
         return total
 
@@ -111,8 +111,8 @@ class StagingSlot:
                 special = set(self._flat_special)
                 host_src = [s for i, s in enumerate(sources) if i not in special]
                 for i in self._flat_special:
-                    local = _local(sources[i])
-                    _local(bufs[i]).copy_(local, non_blocking=local.device.type == "cuda" and self.pin)
+                    local = local_part(sources[i])
+                    local_part(bufs[i]).copy_(local, non_blocking=local.device.type == "cuda" and self.pin)
             else:
                 host_src = sources
             if host_src:
@@ -152,11 +152,11 @@ class StagingSlot:
         self._flat_meta = metas
         self._flat_bufs = bufs
         self._flat_special = [
-            i for i, s in enumerate(sources) if _is_dtensor(s) or _local(s).device.type != "cpu"
+            i for i, s in enumerate(sources) if _is_dtensor(s) or local_part(s).device.type != "cpu"
         ]
         special = set(self._flat_special)
         self._flat_host_dst = [b for i, b in enumerate(bufs) if i not in special]
-        self._flat_device = any(_local(sources[i]).device.type != "cpu" for i in self._flat_special)
+        self._flat_device = any(local_part(sources[i]).device.type != "cpu" for i in self._flat_special)
 
     def _stage(
         self, value: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]], device_copy: list[bool]
@@ -173,12 +173,12 @@ class StagingSlot:
         return copy.deepcopy(value)
 
     def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...], device_copy: list[bool]) -> Any:
-        source = _local(tensor).detach()
+        source = local_part(tensor).detach()
         buf = self._buffers.get(path)
         if buf is None or not _fits(buf, tensor):
             buf = self._allocate(tensor)
             self._buffers[path] = buf
-        target = _local(buf)
+        target = local_part(buf)
         non_blocking = source.device.type == "cuda" and self.pin
         target.copy_(source, non_blocking=non_blocking)
         if source.device.type != "cpu":
@@ -187,7 +187,7 @@ class StagingSlot:
 
     def _allocate(self, tensor: torch.Tensor) -> Any:
         self.allocations += 1
-        local = _local(tensor)
+        local = local_part(tensor)
         host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
         if DTensor is not None and isinstance(tensor, DTensor):
             # Keep the DTensor wrapper (mesh, placements, global shape) around a host local
@@ -205,7 +205,8 @@ def _is_dtensor(tensor: Any) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
-def _local(tensor: Any) -> torch.Tensor:
+def local_part(tensor: Any) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
     if DTensor is not None and isinstance(tensor, DTensor):
         return dtensor_local(tensor)
     return tensor
@@ -221,7 +222,7 @@ def _fits(buf: Any, tensor: torch.Tensor) -> bool:
         or buf.shape != tensor.shape
     ):
         return False
-    local, source = _local(buf), _local(tensor)
+    local, source = local_part(buf), local_part(tensor)
     return local.shape == source.shape and local.dtype == source.dtype
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .._dist.participants import Participants
+from .._dist.participants import Participants, portable
 
 T = TypeVar("T")
 
@@ -28,15 +28,23 @@ class Heartbeat:
 
 
 def on_leader(parts: Participants, work: Callable[[Heartbeat], T], *, what: str) -> T | None:
-    """Collective: rank 0's ``work(heartbeat)`` result (None on the other ranks)."""
+    """Collective: rank 0's ``work(heartbeat)`` result (None on the other ranks, which raise what
+    ``work`` raised on rank 0)."""
     every = max(0.05, min(5.0, parts.timeout / 4))
     if not parts.distributed:
         return work(Heartbeat(every, lambda: None))
     if not parts.is_leader:
-        while not parts.broadcast(None, parts.control, what=what):
+        while (beat := parts.broadcast(None, parts.control, what=what)) is False:
             pass
+        _, error = beat
+        if error is not None:
+            raise error
         return None
+    error: BaseException | None = None
     try:
         return work(Heartbeat(every, lambda: parts.broadcast(False, parts.control, what=what)))
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        parts.broadcast(True, parts.control, what=what)
+        parts.broadcast(("done", portable(error)), parts.control, what=what)

@@ -286,6 +286,7 @@ class CheckpointManager:
             self._writer.wait_idle()
         error: BaseException | None = None
         if durable and self._durable is not None:
+            self._outcomes.same_call("wait(durable=True)")  # before rank 0's heartbeats
             uploaded = on_leader(
                 self._parts,
                 lambda beat: self._uploads().wait(
@@ -459,6 +460,7 @@ class CheckpointManager:
     def _close_uploads(self) -> None:
         """Collective: rank 0 waits for the uploads while they succeed; what is left is uploaded
         by the next start."""
+        self._outcomes.same_call("close(): uploads")  # before rank 0's heartbeats
         closed = on_leader(
             self._parts,
             lambda beat: self._uploads().close(self.upload_timeout, heartbeat=beat),

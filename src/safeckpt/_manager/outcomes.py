@@ -41,6 +41,26 @@ class Outcomes:
         if not self._parts.is_leader:
             self._view.load_snapshot(snapshot)
 
+    def same_call(self, what: str) -> None:
+        """Before a collective that is not a :meth:`conclude`: every rank is in call ``what``, or
+        every rank raises :class:`RankAgreementError` (a rank in a :meth:`conclude` raises it too:
+        the same gather)."""
+        gathered = self._parts.gather((what, None, {}), self._parts.control, what=what)
+        self._same_calls([call for call, _, _ in gathered], None)
+
+    def _same_calls(self, calls: list[str], step: int | None) -> None:
+        if len(set(calls)) > 1:
+            doing = {rank: f"in {call}" for rank, call in enumerate(calls)}
+            listing = "; ".join(f"rank {r}: {c}" for r, c in doing.items())
+            raise RankAgreementError(
+                f"the ranks are in different calls ({listing}): every rank must call save, wait, "
+                "flush, restore, close and pin in the same order. Nothing of these calls was "
+                "committed; fix the training loop so all ranks make the same calls.",
+                failures=doing,
+                step=step,
+                rank=self._parts.rank,
+            )
+
     def conclude(
         self,
         error: BaseException | None,
@@ -63,18 +83,7 @@ class Outcomes:
             self._parts.control,
             what=what,
         )
-        calls = [call for call, _, _ in gathered]
-        if len(set(calls)) > 1:
-            doing = {rank: f"in {call}" for rank, call in enumerate(calls)}
-            listing = "; ".join(f"rank {r}: {c}" for r, c in doing.items())
-            raise RankAgreementError(
-                f"the ranks are in different calls ({listing}): every rank must call save, wait, "
-                "flush, restore, close and pin in the same order. Nothing of these calls was "
-                "committed; fix the training loop so all ranks make the same calls.",
-                failures=doing,
-                step=step,
-                rank=self._parts.rank,
-            )
+        self._same_calls([call for call, _, _ in gathered], step)
         failures: dict[int, BaseException] = {}
         for _, _, theirs in gathered:
             for seq, e in theirs.items():

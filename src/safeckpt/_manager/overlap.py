@@ -39,18 +39,13 @@ from torch import nn
 from .._state.walk import Captured
 from .._util.torch_private import foreach_copy_
 from ..errors import SaveFailedError
-from .background import StagingSlot
+from .background import StagingSlot, local_part
 
 logger = logging.getLogger("safeckpt.manager")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard
-    return to_local if isinstance(to_local, torch.Tensor) else tensor
-
-
 def _storage_key(tensor: torch.Tensor) -> int:
-    return _local(tensor).untyped_storage().data_ptr()
+    return local_part(tensor).untyped_storage().data_ptr()
 
 
 @dataclass
@@ -70,7 +65,8 @@ class _Group:
     owners: list[Any]  # the optimizer, or the module and the state's module above it: hooked
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
-    event: Any = None  # CUDA: when its copies on the side stream are done
+    event: Any = None  # CUDA: when its copies are done
+    waited: bool = False  # CUDA: the training stream waits for ``event`` (once is enough)
 
 
 class OverlappedCopy:
@@ -87,6 +83,7 @@ class OverlappedCopy:
         self._ready = ready  # CUDA: the training stream's work up to save()
         self._done = threading.Event()
         self._handles: list[Any] = []
+        self._owner = threading.get_ident()  # the thread that saved: the training thread
         self.error: SaveFailedError | None = None
 
     def guard(self) -> None:
@@ -123,15 +120,20 @@ class OverlappedCopy:
             if group.event is not None:
                 group.event.synchronize()
 
-    def remove_hooks(self) -> None:
+    def remove_hooks(self) -> bool:
+        """Remove the hooks, on the thread that made the save only (another thread's removal could
+        meet PyTorch's loop over an optimizer's hooks); whether they are gone."""
+        if threading.get_ident() != self._owner:
+            return not self._handles
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        return True
 
     def _hook(self, groups: list[_Group]) -> Callable[..., None]:
         def before(*_: Any) -> None:
             for group in groups:
-                if not group.done or group.event is not None:
+                if not group.done or (group.event is not None and not group.waited):
                     self._copy(group, on_training_thread=True)
 
         return before
@@ -149,21 +151,30 @@ class OverlappedCopy:
     def _copy(self, group: _Group, *, on_training_thread: bool) -> None:
         with group.lock:
             if not group.done:
-                changed = [c.key for c in group.copies if c.source._version != c.version]
-                if changed:
-                    self._fail(
-                        f"{', '.join(changed[:5])} changed in place after save() and before it was "
-                        f"copied, outside what guards it ({group.what}): the checkpoint would not "
-                        "hold the state at save(). Change tensors of the state only through its "
-                        "optimizer and forward passes while a save with overlap_staging=True is "
-                        "copying, or call mgr.wait() first"
-                    )
-                else:
+                # Before the copy, and after it (a change made while it ran: the copy releases
+                # the GIL, and on CUDA it runs on another stream) under the same lock.
+                if self._unchanged(group):
                     self._copy_group(group, on_training_thread)
+                    if group.event is not None and not on_training_thread:
+                        group.event.synchronize()
+                    self._unchanged(group)
                 group.done = True
-            if on_training_thread and group.event is not None:
-                # CUDA: the step's kernels wait for the side stream's copy of this group.
+            if on_training_thread and group.event is not None and not group.waited:
+                # CUDA: the step's kernels wait for the side stream's copy of this group, once.
                 torch.cuda.current_stream().wait_event(group.event)
+                group.waited = True
+
+    def _unchanged(self, group: _Group) -> bool:
+        changed = [c.key for c in group.copies if c.source._version != c.version]
+        if changed:
+            self._fail(
+                f"{', '.join(changed[:5])} changed in place after save() and before it was "
+                f"copied, outside what guards it ({group.what}): the checkpoint would not "
+                "hold the state at save(). Change tensors of the state only through its "
+                "optimizer and forward passes while a save with overlap_staging=True is "
+                "copying, or call mgr.wait() first"
+            )
+        return not changed
 
     def _copy_group(self, group: _Group, on_training_thread: bool) -> None:
         with torch.no_grad():
@@ -262,7 +273,7 @@ def plan_copy(
     now: list[tuple[torch.Tensor, torch.Tensor]] = []
     groups: dict[str, _Group] = {}
     for key, source in sources.items():
-        local, target = _local(source).detach(), _local(targets[key])
+        local, target = local_part(source).detach(), local_part(targets[key])
         what = guard_of.get(_storage_key(source))
         if what is None or _storage_key(source) in shared:
             now.append((target, local))

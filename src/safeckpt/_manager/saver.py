@@ -78,10 +78,12 @@ class Saver:
     def settle(self) -> None:
         """Wait for the last save's overlapped copy and remove its hooks (training thread, outside
         a forward or a step: every manager call that reads or changes the state comes here first)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
-            pending.remove_hooks()
+        pending = self._pending
+        if pending is None:
+            return
+        pending.wait()
+        if pending.remove_hooks():
+            self._pending = None
 
     def close(self) -> None:
         """Settle, and stop the copy thread (``close()``)."""
@@ -146,6 +148,10 @@ class Saver:
             self._drop(job)
             raise
         assert job is not None
+        if job.pending is not None:  # accepted on every rank: nothing may now leave it unstarted
+            assert self._copier is not None
+            self._pending = job.pending
+            job.pending.start(self._copier)
         self._view.add(job)
         if self._writer is not None:
             self._writer.submit(job)
@@ -159,10 +165,6 @@ class Saver:
                 self._committer.persist(job)
             later = self._outcomes.conclude(None, what=what, step=step, defer_background=earlier is not None)
             earlier = earlier or later
-        if job.pending is not None:  # last: its thread would contend with the rest of save()
-            assert self._copier is not None
-            self._pending = job.pending
-            job.pending.start(self._copier)
         if earlier is not None:
             raise taken_anyway(earlier, job.step, async_save=self._writer is not None)
 

@@ -92,10 +92,6 @@ class Committed:
     path: Loc
     record: Record
 
-    @functools.cached_property
-    def train_state(self) -> bytes:
-        return self.encode_train_state()
-
     def info(self) -> CheckpointInfo:
         r = self.record
         return CheckpointInfo(r.step, r.metrics, r.time, r.pinned)

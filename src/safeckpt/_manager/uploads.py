@@ -209,7 +209,13 @@ class Uploader:
             self._cond.notify_all()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+            # A request in flight may outlast the collective timeout: beat while joining too.
+            until = time.monotonic() + max(1.0, deadline - time.monotonic())
+            every = heartbeat.every if heartbeat is not None else 1.0
+            while self._thread.is_alive() and (left_s := until - time.monotonic()) > 0:
+                self._thread.join(timeout=min(every, left_s))
+                if heartbeat is not None and self._thread.is_alive():
+                    heartbeat.send()
         return left, self._thread is not None and self._thread.is_alive()
 
     # --- the thread ---------------------------------------------------------------------------------
