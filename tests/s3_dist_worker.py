@@ -128,6 +128,18 @@ def tiers_slow_upload(rank: int, ws: int, url: str, options: dict[str, Any], *, 
     return {"waited": waited, "closed": time.monotonic() - start}
 
 
+def tiers_mismatch(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Rank 0 in wait(durable=True), rank 1 in wait(): both raise RankAgreementError, none hangs."""
+    model, optim = _model(ws)
+    with CheckpointManager(url, local_dir=local_dir, timeout=20.0, storage_options=options) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        try:
+            mgr.wait(durable=rank == 0)
+        except CheckpointError as e:
+            return {"error": [type(e).__name__, str(e)[:300]]}
+    return {"error": None}
+
+
 _real_put = s3_client.Client.put
 _real_part = s3_client.Client.upload_part
 
@@ -151,6 +163,7 @@ SCENARIOS = {
     "tiers_save": tiers_save,
     "tiers_restore": tiers_restore,
     "tiers_slow_upload": tiers_slow_upload,
+    "tiers_mismatch": tiers_mismatch,
 }
 
 

@@ -159,3 +159,13 @@ def test_a_root_that_is_not_shared_by_the_ranks_fails_every_save_instead_of_comm
         assert all("rank 0 does not see __1_0.distcp" in e[2] for e in report["errors"])
         assert report["latest"] is None
     assert not list((tmp_path / "node0").glob("step_*"))
+
+
+def test_ranks_in_different_waits_raise_rank_agreement_error_instead_of_hanging(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    url, options = s3_bucket.url("ranks/mismatch"), s3_bucket.storage_options
+    reports = _launch("tiers_mismatch", url, tmp_path / "r", options=options, local_dir=str(tmp_path / "n"))
+    for report in reports:
+        assert report["error"][0] == "RankAgreementError", report
+        assert "wait(durable=True)" in report["error"][1] and "in wait()" in report["error"][1]

@@ -281,7 +281,9 @@ def plan_copy(
         if what not in groups:
             groups[what] = _Group(what, [], owners[what])
         groups[what].copies.append(_Copy(key, local, target, local._version))
-    return now, list(groups.values())
+    # Buffers first: the next forward needs them before the step needs the optimizer's tensors.
+    ordered = sorted(groups.values(), key=lambda g: isinstance(g.owners[0], torch.optim.Optimizer))
+    return now, ordered
 
 
 def stage_overlapped(slot: StagingSlot, captured: Captured) -> tuple[dict[str, Any], OverlappedCopy]:
