@@ -310,5 +310,9 @@ def stage_overlapped(slot: StagingSlot, captured: Captured) -> tuple[dict[str, A
     if any(s.device.type == "cuda" for _, s in now):
         torch.cuda.current_stream().synchronize()  # an unguarded tensor is the user's again now
     pending = OverlappedCopy(groups, stream=stream, ready=ready)
-    pending.guard()
+    try:
+        pending.guard()
+    except BaseException:
+        pending.cancel()  # no hook left behind by a save that never was
+        raise
     return targets, pending
