@@ -24,13 +24,7 @@ def with_bucket(what: str, run: Callable[[str, str], int]) -> int:
     server = S3Server(Path(os.environ.get("TMPDIR", "/tmp")))
     server.start()
     try:
-        os.environ.update(
-            AWS_ENDPOINT_URL=server.endpoint,
-            AWS_ACCESS_KEY_ID=ACCESS_KEY,
-            AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-            AWS_REGION=REGION,
-            AWS_DEFAULT_REGION=REGION,
-        )
+        os.environ.update(server.environ())
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         client(server.endpoint).create_bucket(Bucket=bucket)
         return run(server.endpoint, bucket)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
+from s3_server import S3Server
 
 STEPS, KILL_AT = "200", "120"
 
@@ -40,13 +40,7 @@ def main() -> int:
         server = S3Server(Path(work))
         server.start()
         try:
-            os.environ.update(
-                AWS_ENDPOINT_URL=server.endpoint,
-                AWS_ACCESS_KEY_ID=ACCESS_KEY,
-                AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                AWS_REGION=REGION,
-                AWS_DEFAULT_REGION=REGION,
-            )
+            os.environ.update(server.environ())
             import boto3
 
             boto3.client("s3").create_bucket(Bucket="demo")

@@ -145,6 +145,16 @@ class S3Server(ServerProcess):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
 
+    def environ(self) -> dict[str, str]:
+        """The standard ``AWS_*`` variables that point a client at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+            "AWS_DEFAULT_REGION": REGION,
+        }
+
     def ready(self) -> bool:
         return _request(self.endpoint, "GET", "/")[0] == 200  # ListBuckets: S3 is answering
 

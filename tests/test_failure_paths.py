@@ -682,3 +682,26 @@ def test_close_leaves_the_groups_to_the_exit_hook_while_the_writer_thread_still_
     monkeypatch.setattr(Participants, "release", lambda self: released.append(True))
     idle.close()
     assert released == [True]
+
+
+def test_a_file_the_staging_listing_misses_is_found_by_name_and_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A directory listing can lag another client's new file (NFS): the commit looks each file the
+    # ranks wrote up by name before it calls one missing, so the record lists every file.
+    from safeckpt._manager import committer
+
+    real = committer.list_files
+    monkeypatch.setattr(
+        committer, "list_files", lambda d: {k: v for k, v in real(d).items() if not k.endswith(".distcp")}
+    )
+    state = {"w": torch.arange(8.0)}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as mgr:
+        mgr.save(1, state)
+    record = json.loads((tmp_path / "ckpt" / "step_1" / "metadata.json").read_text())
+    data = next((tmp_path / "ckpt" / "step_1").glob("*.distcp"))
+    assert record["files"][data.name] == data.stat().st_size
+    target = {"w": torch.zeros(8)}
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.restore(target).step == 1
+    assert torch.equal(target["w"], state["w"])

@@ -280,7 +280,7 @@ def test_the_walk_is_cached_while_the_structure_stays_and_redone_when_it_changes
     second = capture({"x": dict(tensors), "epoch": 2}, rng=False, cache=cache)
     assert (cache.misses, cache.hits) == (1, 1)
     assert list(first.dcp) == list(second.dcp) == [f"x.t{i}" for i in range(50)]
-    assert decode_train_state(second.train_state, source="t")["values"] == [2]  # values are fresh
+    assert decode_train_state(second.encode_train_state(), source="t")["values"] == [2]  # values are fresh
     capture({"x": {**tensors, "new": torch.ones(1)}, "epoch": 3}, rng=False, cache=cache)
     capture({"x": tensors, "epoch": {"now": "a dict"}}, rng=False, cache=cache)
     assert (cache.misses, cache.hits) == (3, 1)

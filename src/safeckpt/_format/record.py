@@ -333,6 +333,12 @@ def _is_temp_name(name: str) -> bool:
     return _TEMP_NAME.match(name) is not None
 
 
+def same_checkpoint(a: Record, b: Record) -> bool:
+    """The same checkpoint in two roots (a local copy and its upload): the same step and bytes, as
+    their recorded checksums say (a record without checksums is never the same as anything)."""
+    return a.step == b.step and a.checksums is not None and a.checksums == b.checksums
+
+
 def missing_or_wrong_files(checkpoint_dir: Loc | str | os.PathLike[str], record: Record) -> list[str]:
     """What makes ``checkpoint_dir`` disagree with its record; empty when complete.
 

@@ -21,7 +21,7 @@ from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
-from .._format.record import Record, write_record
+from .._format.record import Record, same_checkpoint, write_record
 from .._policy.retention import Policy, Retention, retention_json
 from .._root.copy import copy_checkpoint
 from .._root.removal import collect_abandoned_staging
@@ -84,9 +84,7 @@ class DurableTier:
     def holds(self, record: Record) -> Committed | None:
         """This root's commit of the same checkpoint (same step and bytes), if it has one."""
         found = self.view.get(record.step)
-        if found is not None and found.record.checksums == record.checksums and record.checksums:
-            return found
-        return None
+        return found if found is not None and same_checkpoint(found.record, record) else None
 
     def upload(
         self, source: Loc, record: Record, *, should_stop: Callable[[], bool] | None = None

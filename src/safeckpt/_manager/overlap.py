@@ -109,10 +109,6 @@ class OverlappedCopy:
         self.remove_hooks()
         self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self) -> None:
         """Until every group is copied (the writer thread, before it writes; the next ``save()``)."""
         self._done.wait()
@@ -274,8 +270,9 @@ def plan_copy(
     groups: dict[str, _Group] = {}
     for key, source in sources.items():
         local, target = local_part(source).detach(), local_part(targets[key])
-        what = guard_of.get(_storage_key(source))
-        if what is None or _storage_key(source) in shared:
+        storage = _storage_key(source)
+        what = guard_of.get(storage)
+        if what is None or storage in shared:
             now.append((target, local))
             continue
         if what not in groups:

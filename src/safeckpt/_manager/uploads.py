@@ -98,9 +98,7 @@ class Uploader:
                 last,
             )
 
-    def upload_earlier(
-        self, committed: list[Committed], *, heartbeat: Heartbeat | None = None
-    ) -> None:
+    def upload_earlier(self, committed: list[Committed], *, heartbeat: Heartbeat | None = None) -> None:
         """At start: upload the local commits an earlier run left without an upload, before training
         goes on; if the durable tier cannot be reached, they wait in the queue (with a warning).
 
@@ -196,9 +194,7 @@ class Uploader:
         with self._cond:
             return [c.record.step for c in self._queue], self._last_error
 
-    def close(
-        self, timeout: float, *, heartbeat: Heartbeat | None = None
-    ) -> tuple[list[int], bool]:
+    def close(self, timeout: float, *, heartbeat: Heartbeat | None = None) -> tuple[list[int], bool]:
         """Wait up to ``timeout`` s while uploads succeed, then stop the thread; the steps left (the
         next start uploads them), and whether the thread is still running (stuck in a request)."""
         deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .._format.catalog import Catalog, Entry, settled_scan
 from .._format.layout import parse_staging_name
+from .._format.record import same_checkpoint
 from .._store.loc import as_root
 
 
@@ -23,18 +24,10 @@ class Tiers:
 def compare_tiers(durable: Catalog, local_dir: str | os.PathLike[str]) -> Tiers:
     """``durable`` (the root's catalog) against the committed checkpoints of ``local_dir``."""
     local = {e.step: e for e in settled_scan(as_root(local_dir)).entries if e.committed and e.record}
-    there = {e.step: e for e in durable.entries if e.committed and e.record}
-    in_both = frozenset(s for s, e in local.items() if s in there and same_checkpoint(e, there[s]))
+    there = {e.step: e.record for e in durable.entries if e.committed and e.record}
+    in_both = frozenset(
+        s for s, e in local.items() if e.record and (r := there.get(s)) and same_checkpoint(e.record, r)
+    )
     local_only = tuple(e for s, e in sorted(local.items()) if s not in in_both)
     staged = {parse_staging_name(p.name) for p in durable.staging}
     return Tiers(in_both, local_only, frozenset(e.step for e in local_only if e.step in staged))
-
-
-def same_checkpoint(a: Entry, b: Entry) -> bool:
-    """The same checkpoint in both tiers: the same step and bytes (recorded checksums)."""
-    return (
-        a.record is not None
-        and b.record is not None
-        and a.record.checksums is not None
-        and a.record.checksums == b.record.checksums
-    )

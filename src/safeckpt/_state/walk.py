@@ -106,10 +106,6 @@ class Captured:
     """The modules and optimizers found in the state (what overlapped staging hooks)."""
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
-    @functools.cached_property
-    def train_state(self) -> bytes:
-        return self.encode_train_state()
-
 
 @dataclass
 class _Plan:
