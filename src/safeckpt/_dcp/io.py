@@ -187,14 +187,15 @@ def save(
     group: dist.ProcessGroup | None,
     *,
     plans: SavePlans | None = None,
-) -> dict[str, FileChecksum]:
+) -> dict[str, FileChecksum | None]:
     """Write ``state_dict`` with DCP into ``directory``; every file fsynced.
 
     Collective over ``group`` (every rank of it calls this with the same
     directory). ``plans``: the plans of earlier saves of the same caller, reused
-    where nothing changed. Returns the CRC32 segments of the files this rank
-    wrote that it could checksum as it wrote them (DCP's own writer: none; the
-    caller checksums what is missing).
+    where nothing changed. Returns each data file of the save by name (every
+    rank's, as the checkpoint's ``.metadata`` places its items), with the CRC32
+    segments of those this rank could checksum as it wrote them, else None (DCP's
+    own writer, another rank's file): the caller checksums what is missing.
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     directory = as_loc(directory)
@@ -204,13 +205,20 @@ def save(
     planner = None if plans is None else plans.planner()
     try:
         with _quiet_single_process():
-            dcp.save(dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group))
+            metadata = dcp.save(
+                dict(state_dict), storage_writer=writer, planner=planner, **_group_or_none(group)
+            )
     except BaseException:
         # DCP raises on every rank: each drops its plans, and the next save plans in full
         if plans is not None:
             plans.forget()
         raise
-    return dict(getattr(writer, "checksums", {}))
+    written: dict[str, FileChecksum | None] = dict(getattr(writer, "checksums", {}))
+    # The names, from the plans DCP gathered: a commit then looks each one up, where a directory
+    # listing can lag another client's new file (NFS), whichever writer wrote it.
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        written.setdefault(info.relative_path, None)
+    return written
 
 
 def load(

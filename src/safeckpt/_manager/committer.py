@@ -215,7 +215,7 @@ class Committer:
             )
             train_name = train_state_filename(parts.rank)
             self._store.write_new((job.staging_dir / train_name).key, job.train_state)
-            sums = {name: checksum.to_json() for name, checksum in written.items()}
+            sums = {name: None if c is None else c.to_json() for name, c in written.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
             if job.pending is not None and job.pending.error is not None:
                 raise job.pending.error  # after the collective write: every rank learns it next
@@ -231,9 +231,9 @@ class Committer:
         commit_error: BaseException | None = None
         if not failed and parts.is_leader:
             self._warn_diverging(job.step, [p for _, _, p in gathered])
-            checksums: dict[str, Any] = {}
+            checksums: dict[str, Any] = {}  # each file by name, with its writer's sums where known
             for _, theirs, _ in gathered:
-                checksums.update(theirs)
+                checksums.update((n, c) for n, c in theirs.items() if c is not None or n not in checksums)
             try:
                 self._commit(job, checksums)
             except Exception as e:
@@ -318,12 +318,9 @@ class Committer:
                 f"path on several nodes?). Give every rank the same shared directory, or an s3:// URL; "
                 f"step {job.step} was not committed."
             )
-        # Checksums the writers could not compute as they wrote (DCP's own .metadata and, with
-        # SAFECKPT_DCP_IO=torch, every file) are computed from the files, still in the page cache.
-        sums = {
-            name: checksums[name] if name in checksums else checksum_file(job.staging_dir / name).to_json()
-            for name in files
-        }
+        # Checksums the writers could not compute as they wrote (DCP's own .metadata and, through
+        # DCP's own writer, every file) are computed from the files, still in the page cache.
+        sums = {n: checksums.get(n) or checksum_file(job.staging_dir / n).to_json() for n in files}
         target = layout.step_dir(job.step)
         with self._lock:
             # Built under the lock: a pin() of this step either lands in the job first or finds
