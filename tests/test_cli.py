@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -290,8 +291,18 @@ def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     )
 
 
+def run_clis(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Several independent commands at once (each process's start is most of its time)."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
+
+
 def test_verify_exit_codes_through_the_command(ckpt: Path) -> None:
-    healthy = run_cli("verify", ckpt, "--json")
+    healthy, usage, missing = run_clis(
+        ("verify", ckpt, "--json"), ("verify", ckpt, "forty"), ("verify", ckpt.parent / "nope")
+    )
+    assert usage.returncode == 2 and usage.stderr.count("\n") == 1 and "--help" in usage.stderr
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
     assert healthy.returncode == 0, healthy.stderr
     data = json.loads(healthy.stdout)
     assert data["schema_version"] == 1 and data["ok"] is True and data["broken"] == []
@@ -304,21 +315,14 @@ def test_verify_exit_codes_through_the_command(ckpt: Path) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    damaged = run_cli("verify", ckpt, "20", "40", "--json")
+    damaged, plain = run_clis(("verify", ckpt, "20", "40", "--json"), ("verify", ckpt))
     assert damaged.returncode == 1, damaged.stderr
     data = json.loads(damaged.stdout)
     assert data["ok"] is False and data["broken"] == [40] and sorted(data["checkpoints"]) == ["20", "40"]
     assert any(victim.name in problem for problem in data["checkpoints"]["40"])
 
-    plain = run_cli("verify", ckpt)
     assert plain.returncode == 1 and "step 40: BROKEN" in plain.stdout and "step 50: ok" in plain.stdout
     assert plain.stderr == ""  # no progress bar when stderr is not a terminal
-
-    usage = run_cli("verify", ckpt, "forty")
-    assert usage.returncode == 2 and usage.stderr.count("\n") == 1 and "--help" in usage.stderr
-
-    missing = run_cli("verify", ckpt.parent / "nope")
-    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
 
 
 def test_verify_positional_steps(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,9 +66,10 @@ class LeaseLock:
     """The lock of one S3 root (see the module docstring); a reentrant context manager."""
 
     def __init__(
-        self, client: Client, key: str, *, url: str, timeout: float, lease: float = LEASE_SECONDS
+        self, client: Client, key: str, *, url: str, timeout: float, lease: float | None = None
     ) -> None:
-        self._state = _shared(client, key, url, lease)
+        # LEASE_SECONDS read at each call: a test's dying process shortens the wait of its successor
+        self._state = _shared(client, key, url, LEASE_SECONDS if lease is None else lease)
         self.path = url
         self.timeout = timeout
 
