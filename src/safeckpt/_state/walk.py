@@ -128,8 +128,6 @@ class StateCache:
     hits: int = 0
     misses: int = 0
     state_dicts: StateDicts = field(default_factory=StateDicts)
-    modules: list[nn.Module] = field(default_factory=list)
-    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     """Models' and optimizers' FQN-keyed state dicts (see :mod:`safeckpt._state.state_dicts`)."""
 
 
