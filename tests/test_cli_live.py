@@ -88,3 +88,29 @@ def test_verify_and_ls_never_fail_on_a_root_a_job_is_writing(
     saves = int(out.strip())
     assert saves > runs / 4, f"the job saved {saves} times while the commands ran {runs} times"
     assert not failures, f"{len(failures)} of {runs} runs failed; the first: {failures[0]}"
+
+
+def test_a_listing_that_lags_a_commit_and_its_pruning_still_shows_latest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The race above, made certain: the listing was taken before step 2's commit, and by the time
+    its records are read step 1 is pruned. Every rescan meets the same (a writer faster than a scan),
+    so what settles the catalog is the pointer's step, read by name."""
+    import torch
+
+    from safeckpt import CheckpointManager, Retention
+    from safeckpt._format.layout import Layout
+
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, async_save=False, save_rng=False, retention=Retention(keep_last=1)) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)})
+        mgr.save(2, {"w": torch.ones(4)})
+    assert not (root / "step_1").exists()
+    monkeypatch.setattr(Layout, "committed_dirs", lambda self: [(1, self.step_dir(1))])
+
+    assert main(["ls", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["latest"] == 2
+    assert [c["step"] for c in listed["checkpoints"]] == [2]
+    assert main(["verify", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]

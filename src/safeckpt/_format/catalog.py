@@ -95,12 +95,16 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     """Read every record under ``root``. A directory with a bad record is listed with its problem.
 
     Reads only (never follows a link out of the root, never opens anything but
-    regular files), so it is safe on a root another job is writing. The step
-    directories are listed first and ``latest`` read last (see :func:`settled_scan`);
-    in between, on a store where each read is a round trip, the records and the
-    other listings are read side by side.
+    regular files), so it is safe on a root another job is writing. On a store where each read
+    is a round trip, the records and the other listings are read side by side.
+
+    ``latest`` is read before the listing, and the step it names is read by name when the listing
+    lacks it: a job that commits (and prunes) faster than a whole scan takes then still leaves a
+    consistent catalog, as its pointer's step is pruned only after the pointer has moved on, and a
+    newer commit in the listing is only a pointer that lags.
     """
     layout = Layout(as_root(root))
+    latest_name = layout.store.read_pointer(layout.latest_path.key)
     dirs = layout.committed_dirs()
     with _Reads(layout.store.small_reads_at_once) as reads:
         records = [reads.submit(_entry, step, path) for step, path in dirs]  # first: they may be pruned
@@ -109,6 +113,11 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
         damaged = reads.submit(layout.damaged_entries)
         entries = [r.result() for r in records]
         trash = tuple(trash_listed.result())
+        pointed = parse_step_dirname(latest_name) if latest_name else None
+        if pointed is not None and not any(e.step == pointed and e.committed for e in entries):
+            by_name = _entry(pointed, layout.step_dir(pointed))  # committed after the listing
+            if by_name.committed:
+                entries = [e for e in entries if e.step != pointed] + [by_name]
         present = {e.step for e in entries}
         displaced = []
         for path in trash:
@@ -124,7 +133,7 @@ def scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     return Catalog(
         layout=layout,
         entries=tuple(sorted(entries, key=lambda e: e.step)),
-        latest_name=layout.store.read_pointer(layout.latest_path.key),
+        latest_name=latest_name,
         staging=staging_found,
         trash=trash,
         damaged=damaged_found,
@@ -163,11 +172,12 @@ _RESCAN_WAITS = (0.01, 0.02, 0.04, 0.08, 0.2)
 def settled_scan(root: Loc | Store | str | os.PathLike[str]) -> Catalog:
     """:func:`scan`, taken again (a few bounded times) while it caught a writer mid-commit.
 
-    A scan lists the step directories, then reads their records, then ``latest``: a commit
-    (and the pruning after it) in between makes the pointer name a step the listing lacks,
-    or a listed directory vanish. A reader on a root a job is writing (``safeckpt verify``,
-    ``ls``) takes the catalog this way; what still disagrees after the last try is reported.
-    Entries that vanished (pruned) after the listing are left out.
+    A scan reads ``latest``, lists the step directories, then reads their records: a commit
+    (and the pruning after it) in between can make a listed directory vanish, or the pointer's
+    step be pruned before it is read (a writer that commits faster than one record read). A
+    reader on a root a job is writing (``safeckpt verify``, ``ls``) takes the catalog this way;
+    what still disagrees after the last try is reported. Entries that vanished (pruned) after
+    the listing are left out.
     """
     catalog = scan(root)
     for wait in _RESCAN_WAITS:
