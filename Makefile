@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
+# Test files run on two processes (pytest-xdist, one file's tests on one process, so a file's
+# servers start once): most tests wait on the processes, servers and filesystems they start.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: setup system-deps demo demo-s3 test test-fallback test-slow lint bench clean
 
@@ -62,11 +65,11 @@ demo-s3: setup
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
-	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(FALLBACK_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
 test-fallback: setup system-deps
-	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(FALLBACK_TESTS) $(PYTEST_ARGS)
+	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
 test-slow: setup system-deps
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -20,3 +20,23 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _safeckpt_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="safeckpt")
+
+
+# The files that take longest, started first: `make test` runs files on two processes
+# (pytest-xdist, a file to a process), and one of these started last would leave the other
+# process idle at the end.
+_LONGEST_FIRST = (
+    "test_tiers.py",
+    "test_s3_ranks.py",
+    "test_demo.py",
+    "test_lightning.py",
+    "test_crash.py",
+    "test_s3_crash.py",
+    "test_edges.py",
+    "test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
