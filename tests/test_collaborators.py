@@ -124,3 +124,28 @@ def test_outcomes_raise_a_failed_background_save_once(root: Path) -> None:
     with pytest.raises(SaveFailedError, match="the disk is full"):
         outcomes.conclude(None, what="wait()")
     assert outcomes.conclude(None, what="wait()") is None  # raised once, then cleared
+
+
+def test_a_record_amended_on_another_thread_never_stands_in_for_a_newer_commit_of_its_step(
+    root: Path,
+) -> None:
+    """The uploader marks step 5 as uploaded while a second save of step 5 commits: the view keeps
+    the newer commit (else local retention would take it for uploaded, and prune it unuploaded)."""
+    import dataclasses
+
+    from safeckpt._manager.saves import Committed
+
+    save_steps(root, 5)
+    session, view, _ = session_of(root)
+    session.open()
+    first = view.get(5)
+    assert first is not None
+    again = Committed(first.path, dataclasses.replace(first.record, seq=(first.record.seq or 0) + 1))
+    view.commit(again)
+    view.update(Committed(first.path, dataclasses.replace(first.record, uploaded={"at": 1.0, "to": "x"})))
+    now = view.get(5)
+    assert now is not None and now.record.seq == again.record.seq and now.record.uploaded is None
+    view.update(Committed(again.path, dataclasses.replace(again.record, pinned=True)))  # its own amendment
+    now = view.get(5)
+    assert now is not None and now.record.pinned
+    session.release()

@@ -20,7 +20,7 @@ from safeckpt._format.catalog import scan
 from safeckpt._store.loc import as_root
 from safeckpt.cli import main
 from safeckpt.cli.ls import listing
-from safeckpt.errors import ConfigError
+from safeckpt.errors import ConfigError, SaveFailedError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,6 +95,11 @@ def test_restore_takes_the_local_copy_and_a_damaged_one_falls_back_to_the_durabl
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
+    restored = _state(0)
+    with CheckpointManager(durable, local_dir=local) as mgr:  # asked for by step: the same fallback
+        got = mgr.restore(restored, step=2)
+    assert got.step == 2 and str(got.path).startswith(durable)
+    assert torch.equal(restored["w"], _state(2)["w"])
     restored = _state(0)
     with caplog.at_level(logging.WARNING), CheckpointManager(durable, local_dir=local) as mgr:
         got = mgr.restore(restored)
@@ -263,7 +268,11 @@ def test_a_local_copy_damaged_before_its_upload_is_dropped_and_the_next_ones_go_
         raw[len(raw) // 2] ^= 0x01
         data.write_bytes(bytes(raw))
         s3_proxy.clear()
-        mgr.wait(durable=True)  # step 1 cannot go up; it does not hold step 2 back
+        # Step 1 cannot go up, and does not hold step 2 back; the wait says it is not durable, once.
+        with pytest.raises(SaveFailedError, match=r"step\(s\) 1 could not be uploaded") as raised:
+            mgr.wait(durable=True)
+        assert "are damaged" in str(raised.value)
+        mgr.wait(durable=True)
     assert sorted(_committed(root)) == [2]
     assert "step 1" in caplog.text and "cannot be uploaded" in caplog.text
 
@@ -299,3 +308,40 @@ def test_a_full_local_disk_removes_the_oldest_uploaded_checkpoints_first(
     kept = sorted(_committed(small_disk / "run"))
     assert kept[-1] == 8 and len(kept) < 8  # the oldest went early, the newest stay
     assert "is full" in caplog.text and "removed the uploaded step(s) 1" in caplog.text
+
+
+def test_a_copy_saved_again_while_it_is_uploaded_is_dropped_not_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 5 is saved again while its first copy uploads, and a file of the first copy vanishes
+    under the upload (it went to the trash): that copy is dropped, not counted as a failed try, and
+    the second copy is the one made durable."""
+    import errno
+    import threading
+
+    from safeckpt._manager import durable as durable_module
+
+    uploading, resaved = threading.Event(), threading.Event()
+    copy = durable_module.copy_checkpoint
+
+    def copy_once_replaced(source: Any, *args: Any, **kwargs: Any) -> Any:
+        if not uploading.is_set():
+            uploading.set()
+            assert resaved.wait(60)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(source))
+        return copy(source, *args, **kwargs)
+
+    monkeypatch.setattr(durable_module, "copy_checkpoint", copy_once_replaced)
+    root, local = tmp_path / "durable", tmp_path / "local"
+    with caplog.at_level(logging.INFO), CheckpointManager(root, local_dir=local, retry_interval=60) as mgr:
+        mgr.save(5, _state(5))
+        assert uploading.wait(60)
+        mgr.save(5, _state(55))
+        mgr.wait()  # committed locally: the copy being uploaded is no longer the local one
+        resaved.set()
+        mgr.wait(durable=True)  # no failed try to wait out (60 s) or to raise
+    assert "failed" not in caplog.text and "changed while it was uploaded" in caplog.text
+    restored = _state(0)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(restored).step == 5
+    assert torch.equal(restored["w"], _state(55)["w"])

@@ -278,7 +278,9 @@ class CheckpointManager:
 
         ``durable=True`` (with ``local_dir``): also until every local commit is uploaded and
         committed in the durable tier; raises :class:`SaveFailedError` naming the steps still
-        waiting when an upload fails meanwhile (they are tried again in the background).
+        waiting when an upload fails meanwhile (they are tried again in the background), and the
+        steps whose local copy could not be uploaded at all since the last such call (damaged:
+        they are not durable).
         """
         self._check_open()
         self._saver.settle()
@@ -294,9 +296,11 @@ class CheckpointManager:
                 ),
                 what="wait(durable=True): rank 0's uploads",
             )
-            if uploaded is False:  # rank 0's answer; the other ranks have none (None)
-                steps, cause = self._uploads().waiting()
-                error = not_uploaded_error(self.root, self.local_dir, steps, cause)
+            if uploaded is not None:  # rank 0's answer; the other ranks have none (None)
+                lost = self._uploads().take_lost()
+                steps, cause = self._uploads().waiting() if not uploaded else ([], None)
+                if steps or lost:
+                    error = not_uploaded_error(self.root, self.local_dir, steps, cause, lost=lost)
         self._outcomes.conclude(error, what="wait()")
 
     def flush(self) -> None:
@@ -437,7 +441,8 @@ class CheckpointManager:
         attempt(self._committer.prune_held_back)
         self._plans.forget()
         attempt(lambda: self._session.drain(self.drain_timeout))
-        errors.extend(self._session.release())
+        if not self._upload_stuck:  # a stuck upload still marks local records when it ends
+            errors.extend(self._session.release())
         if self._durable is not None and not self._upload_stuck:
             attempt(lambda: self._durable.drain(self.drain_timeout))
             errors.extend(self._durable.release())
@@ -470,8 +475,8 @@ class CheckpointManager:
             return
         left, self._upload_stuck = closed
         if self._upload_stuck:
-            # Its lock and owner record stay held (a lease expires on its own): never a second
-            # writer beside a request still in flight.
+            # Both tiers' locks and owner records stay held (a lease expires on its own): never a
+            # second writer beside a request still in flight, or beside its local mark after it.
             logger.warning("safeckpt: an upload to %s is still in flight at close(); left running", self.root)
         if left:
             logger.warning(

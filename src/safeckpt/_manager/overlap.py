@@ -182,7 +182,9 @@ class OverlappedCopy:
             # thread's side stream first waits for the training stream's work up to save().
             side = self._stream is not None and not on_training_thread
             stream = self._stream if side else torch.cuda.current_stream()
-            with torch.cuda.stream(stream):
+            # On the background thread the current device is cuda:0 until set: without the side
+            # stream's device, every rank would make a context on GPU 0.
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
                 if side:
                     stream.wait_event(self._ready)
                 for c in group.copies:

@@ -132,7 +132,14 @@ class Resumer:
                 outcome = None
                 try:
                     outcome, report = self._try_load(
-                        state, directory, record, auto, began, strict=strict, include=include, exclude=exclude
+                        state,
+                        directory,
+                        record,
+                        (auto, step is not None),
+                        began,
+                        strict=strict,
+                        include=include,
+                        exclude=exclude,
                     )
                 finally:
                     if began and outcome != _LOADED:
@@ -180,7 +187,7 @@ class Resumer:
         state: MutableMapping[str, Any],
         directory: Loc,
         record: Record,
-        auto: bool,
+        asked: tuple[bool, bool],
         began: list[bool],
         **options: Any,
     ) -> tuple[str, Any]:
@@ -191,7 +198,7 @@ class Resumer:
         # Each rank checks its own files first, so one rank's damaged file is the same error on
         # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
         own = _attempt(check_own_files, directory, record, parts.rank)
-        outcome, why = self._next_move(own, what, directory, record, auto)
+        outcome, why = self._next_move(own, what, directory, record, asked)
         if outcome != _LOADED:
             return outcome, why
         report: Any = None
@@ -208,7 +215,7 @@ class Resumer:
             )
         except _WRITE_ERRORS as e:
             load_error = as_read_error(e, directory, record)
-        outcome, why = self._next_move(load_error, what, directory, record, auto)
+        outcome, why = self._next_move(load_error, what, directory, record, asked)
         return outcome, report if outcome == _LOADED else why
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
@@ -221,7 +228,8 @@ class Resumer:
             return load_state(self._layout.root, step=validate_or_none(step))
 
     def _tier_of(self, directory: Loc) -> int:
-        return next((i for i, t in enumerate(self._tiers) if t.store is directory.store), 0)
+        # By URL: on the other ranks the chosen directory's store is one opened anew from it.
+        return next((i for i, t in enumerate(self._tiers) if t.store.url == directory.store.url), 0)
 
     def _choose_here(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
@@ -260,11 +268,19 @@ class Resumer:
         return directory, Record.from_json(choice[1], path=str(directory))
 
     def _next_move(
-        self, error: BaseException | None, what: str, directory: Loc, record: Record, auto: bool
+        self,
+        error: BaseException | None,
+        what: str,
+        directory: Loc,
+        record: Record,
+        asked: tuple[bool, bool],
     ) -> tuple[str, str]:
         """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
-        was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume);
-        else raise the same error on every rank."""
+        was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume,
+        or a step's local copy); else raise the same error on every rank.
+
+        ``asked``: (auto-resume, a step was asked for)."""
+        auto, step_asked = asked
         gathered = self._parts.gather(_portable(error), self._parts.control, what=what)
         failed = {rank: e for rank, e in enumerate(gathered) if e is not None}
         if not failed:
@@ -279,7 +295,10 @@ class Resumer:
             return _AGAIN, ""
         if fate is Fate.GONE:
             raise removed_while_read(directory, record)
-        if auto and all(is_damage(e) for e in failed.values()):
+        # A damaged local copy falls back to the durable copy of the same step also when the
+        # step was asked for (a path given is loaded as it is, or fails).
+        fallback = auto or (step_asked and len(self._tiers) > 1 and self._tier_of(directory) == 0)
+        if fallback and all(is_damage(e) for e in failed.values()):
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             logger.warning(
                 "safeckpt: step %d cannot be loaded (%s); falling back to %s",

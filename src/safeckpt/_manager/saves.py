@@ -161,9 +161,12 @@ class SaveView:
             self._latest = entry.record.step
 
     def update(self, entry: Committed) -> None:
-        """A committed checkpoint's record changed (pin, registration); ignored if it is gone."""
+        """A committed checkpoint's record changed (pin, registration, upload mark); ignored if it
+        is gone, or if its step was committed again since (another ``seq``): an amendment made on
+        another thread must never stand in for the newer commit."""
         with self._lock:
-            if entry.record.step in self._committed:
+            current = self._committed.get(entry.record.step)
+            if current is not None and current.record.seq == entry.record.seq:
                 self._committed[entry.record.step] = entry
 
     def forget(self, step: int) -> None:

@@ -69,6 +69,7 @@ class Uploader:
         self._queue: deque[Committed] = deque()
         self._current: Committed | None = None  # the entry being uploaded (the queue's head)
         self._dropped: set[tuple[int, int | None]] = set()  # (step, seq) never to be uploaded
+        self._lost: list[int] = []  # steps dropped as damaged, not yet told to wait(durable=True)
         self._cond = threading.Condition()
         self._wake = threading.Event()  # cuts a pause short: close(), or a wait for durability
         self._closed = False
@@ -194,6 +195,13 @@ class Uploader:
         with self._cond:
             return [c.record.step for c in self._queue], self._last_error
 
+    def take_lost(self) -> list[int]:
+        """The steps dropped because their local copy could not be uploaded (damaged), since the
+        last call: each is told once."""
+        with self._cond:
+            lost, self._lost = self._lost, []
+            return lost
+
     def close(self, timeout: float, *, heartbeat: Heartbeat | None = None) -> tuple[list[int], bool]:
         """Wait up to ``timeout`` s while uploads succeed, then stop the thread; the steps left (the
         next start uploads them), and whether the thread is still running (stuck in a request)."""
@@ -245,6 +253,10 @@ class Uploader:
                 self._upload(head)
             except _LOCAL_COPY_BAD as e:
                 self._drop(head, e)
+            except OSError as e:
+                if fate_of(head.path, head.record) is Fate.SAME:
+                    raise  # the local copy is as queued: the durable tier failed, try again
+                self._drop(head, e)  # saved again or removed meanwhile: a file of it vanished
         finally:
             with self._cond:
                 self._current = None
@@ -263,6 +275,8 @@ class Uploader:
                 "safeckpt: step %d changed while it was uploaded (%s); not uploaded", head.record.step, error
             )
             return
+        with self._cond:
+            self._lost.append(head.record.step)
         logger.error(
             "safeckpt: step %d in %s cannot be uploaded: %s. It is not durable; the next commits are "
             "uploaded as usual",
@@ -325,11 +339,20 @@ class Uploader:
 
 
 def not_uploaded_error(
-    root: object, local_dir: object, steps: list[int], error: BaseException | None
+    root: object, local_dir: object, steps: list[int], error: BaseException | None, *, lost: list[int]
 ) -> CheckpointError:
-    """What ``wait(durable=True)`` raises when uploads are still waiting."""
-    return SaveFailedError(
-        f"step(s) {', '.join(map(str, steps))} are committed in {local_dir} but not uploaded to {root}"
-        f"{f' ({error})' if error is not None else ''}. They stay on the local disk, and the upload is "
-        "tried again in the background (and by the next start)."
-    )
+    """What ``wait(durable=True)`` raises when uploads are still waiting, or some never will be."""
+    said = []
+    if lost:
+        said.append(
+            f"step(s) {', '.join(map(str, lost))} could not be uploaded to {root}: their copies in "
+            f"{local_dir} are damaged (the error logged for each says how), so they are not durable "
+            "and never will be; the steps saved after them are uploaded as usual."
+        )
+    if steps:
+        said.append(
+            f"step(s) {', '.join(map(str, steps))} are committed in {local_dir} but not uploaded to "
+            f"{root}{f' ({error})' if error is not None else ''}. They stay on the local disk, and the "
+            "upload is tried again in the background (and by the next start)."
+        )
+    return SaveFailedError(" ".join(said))

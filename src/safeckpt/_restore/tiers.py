@@ -32,7 +32,8 @@ def choose_across(
 ) -> tuple[Loc, Record] | None:
     """Rank 0: the checkpoint to restore from ``tiers`` (the fast one first), or None to start fresh.
 
-    ``excluded[i]``: steps of tier ``i`` already found unloadable. ``path`` is loaded as it is.
+    ``excluded[i]``: steps of tier ``i`` already found unloadable (an explicit ``step`` among them
+    is taken from the next tier). ``path`` is loaded as it is.
     The newest commit is the one saved last (the ``time`` of its record, which its upload keeps);
     an explicit ``step`` missing or broken in one tier is taken from the next.
     """
@@ -41,6 +42,8 @@ def choose_across(
     found: list[tuple[int, tuple[Loc, Record]]] = []
     failures: list[CheckpointError] = []
     for i, layout in enumerate(tiers):
+        if step is not None and step in excluded[i]:
+            continue  # its copy here failed as it loaded: the next tier's is tried
         try:
             got = choose_checkpoint(
                 layout,
@@ -60,6 +63,14 @@ def choose_across(
         if got is not None:
             found.append((i, got))
     if not found:
+        if step is not None:  # asked for: no tier has a copy left to try
+            raise (
+                failures[-1]
+                if failures
+                else CheckpointNotFoundError(
+                    f"no copy of step {step} loads (see the warnings above)", step=step
+                )
+            )
         if failures and len(failures) == len(tiers):
             raise failures[-1]  # the durable tier's reason
         return None
