@@ -410,3 +410,102 @@ def test_every_cli_command_takes_an_s3_url(s3_bucket, tmp_path: Path, capsys) ->
     cli("register", root, "--registrar", json.dumps({"kind": "jsonl", "index_path": str(index)}))
     registered = [json.loads(line) for line in index.read_text().splitlines()]
     assert [r["step"] for r in registered] == [3] and registered[0]["path"].startswith("s3://")
+
+
+# --- what a cut-short commit, a tampered marker and a lost lease leave ---------------------------
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["first_save", "saved_again"])
+def test_a_save_cut_short_after_its_commit_object_landed_stays_committed(
+    s3_bucket, monkeypatch: pytest.MonkeyPatch, again: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C (or any error) between the commit PUT's success and its return: the step is committed,
+    so its area must not be discarded as a failed save's (which would delete its bytes)."""
+    from safeckpt._s3.client import Client
+
+    root = s3_bucket.url("cut")
+    mgr = safeckpt.CheckpointManager(root, async_save=False)
+    mgr.save(1, {"w": torch.ones(4)})
+    if again:
+        mgr.save(2, {"w": torch.full((4,), 2.0)})
+    real = {name: getattr(Client, name) for name in ("put_new", "put_over")}
+
+    def interrupted(name: str):  # type: ignore[no-untyped-def]
+        def put(self, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+            etag = real[name](self, key, *args, **kwargs)
+            if key.endswith("step_2/metadata.json"):
+                raise KeyboardInterrupt("right after the commit object landed")
+            return etag
+
+        return put
+
+    for name in real:
+        monkeypatch.setattr(Client, name, interrupted(name))
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, {"w": torch.full((4,), 3.0)})
+    monkeypatch.undo()
+    mgr.close()
+    with safeckpt.CheckpointManager(root) as reopened:  # the next start collects leftovers
+        state = {"w": torch.zeros(4)}
+        assert reopened.restore(state).step == 2
+    assert torch.equal(state["w"], torch.full((4,), 3.0))
+    assert safeckpt.load(root, step=1)["w"].sum() == 4
+
+
+def test_a_marker_naming_a_container_as_its_area_never_takes_other_checkpoints_bytes(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    """A commit object whose area (``x-amz-meta-safeckpt-area``) is ``.staging`` itself, written by
+    hand or damaged: pruning it removes its marker only, never the areas of every other save."""
+    root = s3_bucket.url("tamper")
+    with safeckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.full((4,), 2.0)})
+    client = s3_bucket.client()
+    body = client.get_object(Bucket=s3_bucket.name, Key="tamper/step_2/metadata.json")["Body"].read()
+    client.put_object(
+        Bucket=s3_bucket.name, Key="tamper/step_0/metadata.json", Body=body, Metadata={AREA: ".staging"}
+    )
+    store = open_store(root)
+    store.move("step_0", ".trash/step_0.pruned.x")  # what a prune does
+    store.remove(".trash/step_0.pruned.x")  # what the deleter does
+    assert not _keys_under(s3_bucket, "tamper/step_0/") and not _keys_under(s3_bucket, "tamper/.trash/")
+    for step in (1, 2):
+        assert safeckpt.load(root, step=step)["w"].sum() == 4 * step
+
+
+def test_a_holder_whose_lease_ran_out_writes_nothing_more_under_it(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    """The holder's renewals stall past its lease, another process takes the lock over: the first
+    holder's next write under the lock is refused, not made beside the new holder's."""
+    import threading
+    import time
+
+    from safeckpt._s3.client import Client
+    from safeckpt._s3.location import parse_url, settings
+
+    url = s3_bucket.url("lost")
+    store = open_store(url)
+    key = store.aliases.key(".lock")
+    # Another process, in effect: a client whose endpoint is spelled differently has its own lease state.
+    elsewhere = s3_bucket.endpoint_url.replace("127.0.0.1", "localhost")
+    other = Client(parse_url(url), settings({"endpoint_url": elsewhere}))
+    stalled = threading.Event()
+    real_put_over = store.client.put_over
+
+    def stalling_renewal(*args, **kwargs):  # type: ignore[no-untyped-def]
+        stalled.set()
+        time.sleep(4)  # longer than the lease: retries and back-off on a slow server
+        return real_put_over(*args, **kwargs)
+
+    holder = LeaseLock(store.client, key, url="holder", timeout=5, lease=1.5)
+    with holder:
+        store.write_pointer("latest", "step_1")  # while the lease holds: written
+        store.client.put_over = stalling_renewal  # type: ignore[method-assign]
+        assert stalled.wait(10)
+        taker = LeaseLock(other, key, url="taker", timeout=10, lease=1.5)
+        taker.acquire()  # the lease ran out: taken over
+        with pytest.raises(LockTimeoutError, match="lost the lock"):
+            store.write_pointer("latest", "step_2")
+        with pytest.raises(LockTimeoutError, match="lost the lock"):
+            store.remove("latest")
+        store.client.put_over = real_put_over  # type: ignore[method-assign]
+        taker.release()
+    assert open_store(url).read_pointer("latest") == "step_1"

@@ -348,11 +348,17 @@ class Committer:
                     displaced=layout.new_trash_path(job.step, REPLACED).key,
                     retired=layout.new_trash_path(job.step, PRUNED).key,
                 )
-            except OSError:
+            except BaseException as e:
+                # Cut short after its commit point (a failed fsync after the rename; on S3 an
+                # interrupt or error after the commit object landed) it is committed all the same,
+                # and its staging must not be discarded as a failed save's.
                 if not _holds(target, record):
                     raise
-                # Renamed into place, then a directory fsync failed: committed, maybe not durable.
-                logger.warning("safeckpt: step %d is in place, but fsyncing %s failed", job.step, self.root)
+                if not isinstance(e, OSError):
+                    job.committed_here = True
+                    self._view.commit(Committed(target, record))
+                    raise
+                logger.warning("safeckpt: step %d is in place, but syncing it failed", job.step)
                 replaced = False
             job.committed_here = True
             self._view.commit(Committed(target, record))

@@ -6,7 +6,10 @@ holding it frees the root within one lease, never forever. A lease found
 expired (by the server's clock: the object's ``Last-Modified`` against the
 ``Date`` of the reply) is taken over with ``If-Match`` on the ETag read, so
 two processes that both find it expired cannot both win. A holder that could
-not renew in time has lost the lock; its next release says so in the log.
+not renew in time has lost the lock: from the moment its lease may have run
+out (by its own clock, with a margin), every write its store makes under the
+lock raises :class:`LockTimeoutError` instead (:func:`check_held`), until a
+renewal succeeds again; a lease taken over is lost for good.
 
 Within one process the lock is reentrant per thread and excludes the other
 threads, as the local sidecar lock does.
@@ -47,10 +50,31 @@ class _Lease:
         self.token = uuid.uuid4().hex
         self.renewer: threading.Thread | None = None
         self.stop = threading.Event()
+        self.valid_until = 0.0  # monotonic: the lease may run out after this (the last PUT's start + lease)
+        self.lost = False  # taken over by another process while held
 
 
 _leases: dict[tuple[str, str], _Lease] = {}
 _leases_guard = threading.Lock()
+
+
+def check_held(client: Client, key: str) -> None:
+    """Before a write under the lease of ``key``: raise :class:`LockTimeoutError` if this thread
+    holds it but it may have run out (renewals failed for too long) or was taken over. A thread
+    that does not hold it is not checked (reads, and writes that need no lock)."""
+    with _leases_guard:
+        state = _leases.get((client.endpoint, client.bucket, key))
+    if state is None or state.owner != threading.get_ident() or state.depth == 0:
+        return
+    margin = state.lease / 6  # a write checked now has this long to land before the lease may end
+    if state.lost or time.monotonic() > state.valid_until - margin:
+        why = "another process took it over" if state.lost else "its renewals have failed for too long"
+        raise LockTimeoutError(
+            f"lost the lock of {state.url} while holding it ({why}): nothing more is written under "
+            "it. What was committed before is untouched; this write is not made. Check the storage's "
+            "reachability, then save again (a new save takes the lock anew).",
+            path=state.url,
+        )
 
 
 def _shared(client: Client, key: str, url: str, lease: float) -> _Lease:
@@ -132,8 +156,10 @@ class LeaseLock:
         state = self._state
         delay = 0.05
         while True:
+            started = time.monotonic()
             try:
                 state.etag = state.client.put_new(state.key, self._body())
+                state.valid_until, state.lost = started + state.lease, False
                 return
             except PreconditionFailed:
                 pass
@@ -156,20 +182,25 @@ class LeaseLock:
             lease = state.lease
         if got.age <= lease:
             return False
+        started = time.monotonic()
         try:
             state.etag = state.client.put_over(state.key, self._body(), got.etag)
-        except PreconditionFailed:
-            return False  # someone else took it over first
+        except (PreconditionFailed, NotFound):
+            return False  # someone else took it over first, or it was released: the next PUT takes it
+        state.valid_until, state.lost = started + state.lease, False
         logger.warning("safeckpt: took over the lock %s, which its holder let expire", self.path)
         return True
 
     def _renew(self) -> None:
         state = self._state
         while not state.stop.wait(state.lease / 3):
+            started = time.monotonic()
             try:
                 assert state.etag is not None
                 state.etag = state.client.put_over(state.key, self._body(), state.etag)
-            except PreconditionFailed:
+                state.valid_until = started + state.lease
+            except (PreconditionFailed, NotFound):
+                state.lost = True
                 logger.error("safeckpt: the lock %s was taken over while held (a lease ran out)", self.path)
                 return
             except OSError as e:

@@ -28,18 +28,17 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._format.layout import RECORD_NAME
+from .._format.layout import DAMAGED_NAME, LATEST_NAME, LOCK_NAME, RECORD_NAME, STAGING_NAME, TRASH_NAME
 from .._store.base import DIR, FILE, Entry, join, leaf
 from ..errors import IncompleteCheckpointError
 from .aliases import AREA, CLAIMS, DIR_MARK, Alias, Aliases
 from .client import Client, NotFound, PreconditionFailed
 from .errors import explain_error
-from .lease import LeaseLock
+from .lease import LeaseLock, check_held
 from .location import Location, Settings, parse_url, settings
 from .spread import Spread
 from .transfer import RangeReader, UploadStream
 
-LOCK_NAME = ".lock"
 _POINTER_LIMIT = 4096
 
 
@@ -121,6 +120,7 @@ class S3Store:
     def move(self, src: str, dst: str) -> None:
         _check(src)
         _check(dst)
+        self._check_lease()
         alias = self.aliases.find(src)
         if alias is not None:
             self._move_alias(src, dst, alias)
@@ -138,6 +138,10 @@ class S3Store:
         base, _ = self.aliases.dir_key(src)
         if not self._holds_anything(base):
             raise NotFound(2, "nothing to move", self.where(src))
+        if self.aliases.owner(src) is not None:
+            # The area of a commit (one cut short after its commit object landed): its bytes are
+            # that checkpoint's, never moved or collected by the area's own name.
+            raise PreconditionFailed(self.where(src))
         # A plain directory (the area of a save) becomes an alias at dst, its bytes where they are.
         self.aliases.claim(src, dst)
         self.client.put_new(self.aliases.key(join(dst, DIR_MARK)), b"", metadata={AREA: src})
@@ -160,6 +164,7 @@ class S3Store:
         _check(staged)
         _check(final)
         del displaced
+        self._check_lease()
         record = self.client.get(self.aliases.key(join(staged, RECORD_NAME)))
         metadata = {AREA: staged}
         commit_key = self.aliases.key(join(final, RECORD_NAME))
@@ -182,10 +187,13 @@ class S3Store:
 
     def remove(self, name: str) -> None:
         _check(name)
+        self._check_lease()
         alias = self.aliases.find(name)
         if alias is not None:
-            owner = self.aliases.owner(alias.area)
-            if owner in (None, name):
+            # Only when the area's claim names this alias (every alias safeckpt makes claims its
+            # area first) and the area is one save's or directory's, not a container or another
+            # name: a marker written by hand, or damaged, never takes other checkpoints' bytes.
+            if self.aliases.owner(alias.area) == name and self._removable_area(alias.area):
                 self._delete_under(self.aliases.key(alias.area) + "/")
                 self.aliases.unclaim(alias.area)
             self._delete_under(self.aliases.key(name) + "/")
@@ -204,6 +212,17 @@ class S3Store:
         if not self._delete_under(key + "/"):
             raise NotFound(2, "no such file or directory", self.where(name))
         self.aliases.unclaim(name)
+
+    def _removable_area(self, area: str) -> bool:
+        """Whether ``area`` (read from a marker's metadata) names the bytes of one save or one plain
+        directory: not the root, a container of areas or names (``.staging``, ``.trash``,
+        ``.damaged``, the claims), a pointer, or another alias."""
+        parts = area.split("/")
+        if any(part in ("", ".", "..") for part in parts) or parts[0] == CLAIMS:
+            return False
+        if area in (STAGING_NAME, TRASH_NAME, DAMAGED_NAME, LATEST_NAME, LOCK_NAME):
+            return False
+        return self.aliases.find(area) is None
 
     def _delete_under(self, prefix: str) -> bool:
         """Every object and unfinished upload under ``prefix``; whether there was any."""
@@ -248,6 +267,7 @@ class S3Store:
 
     def write_atomic(self, name: str, data: bytes) -> None:
         _check(name)
+        self._check_lease()
         parent, _, file_name = name.rpartition("/")
         alias = self.aliases.find(parent) if parent else None
         if alias is not None and alias.marker == file_name:
@@ -291,6 +311,7 @@ class S3Store:
 
     def write_pointer(self, name: str, target: str) -> None:
         _check(name)
+        self._check_lease()
         with self._guard:
             if name not in self._pointers:
                 self.read_pointer(name)
@@ -301,7 +322,7 @@ class S3Store:
                     self._pointers[name] = self.client.put_new(key, data)
                 else:
                     self._pointers[name] = self.client.put_over(key, data, etag)
-            except PreconditionFailed:
+            except (PreconditionFailed, NotFound):  # changed, or removed (If-Match on no object)
                 self._pointers.pop(name, None)  # read again before the next move
                 raise
 
@@ -336,6 +357,10 @@ class S3Store:
         return _nothing  # reads are ranged GETs in parallel already; no page cache to warm
 
     # --- the root as a whole -------------------------------------------------------
+
+    def _check_lease(self) -> None:
+        """A write this thread makes under the root's lease: only while the lease surely holds."""
+        check_held(self.client, self.aliases.key(LOCK_NAME))
 
     def lock(self, *, timeout: float) -> LeaseLock:
         return LeaseLock(self.client, self.aliases.key(LOCK_NAME), url=self.where(LOCK_NAME), timeout=timeout)
