@@ -94,9 +94,42 @@ def tiers_save(rank: int, ws: int, url: str, options: dict[str, Any], *, local_d
     return {"weights": _local(model), "latest": latest}
 
 
+def tiers_save_no_upload(
+    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str
+) -> Any:
+    """As ``tiers_save``, but the job dies (``os._exit``, every rank) once step 3 is committed
+    locally, before its upload."""
+    import threading
+
+    from safeckpt._manager import uploads
+
+    real = uploads.Uploader._upload
+
+    def upload(self, local):  # type: ignore[no-untyped-def]
+        if local.record.step == 3:
+            threading.Event().wait()  # never uploaded: the process dies first
+        return real(self, local)
+
+    uploads.Uploader._upload = upload  # type: ignore[method-assign]
+    model, optim = _model(ws)
+    mgr = CheckpointManager(
+        url, local_dir=local_dir.format(rank=rank), async_save=False, storage_options=options
+    )
+    for step in (1, 2):
+        _train(model, optim, rank, 1)
+        mgr.save(step, {"model": model, "optim": optim})
+    mgr.wait(durable=True)
+    _train(model, optim, rank, 1)
+    mgr.save(3, {"model": model, "optim": optim})
+    result = {"weights": _local(model), "latest": mgr.latest_step}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"ok": True, "result": result}))
+    dist.barrier()
+    os._exit(0)
+
+
 def tiers_restore(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     model, optim = _model(ws)
-    with CheckpointManager(url, local_dir=local_dir, storage_options=options) as mgr:
+    with CheckpointManager(url, local_dir=local_dir.format(rank=rank), storage_options=options) as mgr:
         restored = mgr.restore({"model": model, "optim": optim})
     return {"weights": _local(model), "step": restored.step, "path": str(restored.path)}
 
@@ -162,6 +195,7 @@ SCENARIOS = {
     "restore": restore,
     "tiers_save": tiers_save,
     "tiers_restore": tiers_restore,
+    "tiers_save_no_upload": tiers_save_no_upload,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -116,23 +117,70 @@ def test_two_ranks_with_a_shared_local_dir_commit_there_upload_and_resume_from_t
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
 
 
-def test_ranks_whose_local_dirs_differ_are_refused_on_every_rank(s3_bucket, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    # One local disk per node is not built yet: a commit by rank 0 could not see rank 1's files.
+# --- two tiers: a local directory on each node's own disk ----------------------------------------
+
+
+def test_each_node_commits_its_part_on_its_own_disk_and_the_prefix_gets_the_whole_checkpoint(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # Two ranks, each its own "node": neither sees the other's local_dir.
     url, options = s3_bucket.url("ranks/apart"), s3_bucket.storage_options
-    reports = _launch(
-        "tiers_save", url, tmp_path / "r", options=options, local_dir=str(tmp_path / "node{rank}")
+    nodes = str(tmp_path / "node{rank}")
+    saved = _launch("tiers_save", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [s["latest"] for s in saved] == [3, 3], saved
+    for rank in (0, 1):  # each node's local copy: its own rank's files, and its part of the save
+        step_3 = tmp_path / f"node{rank}" / "step_3"
+        assert sorted(p.name for p in step_3.glob("*.distcp")) == [f"__{rank}_0.distcp"]
+        record = json.loads((step_3 / "metadata.json").read_text())
+        assert record["part"]["node"] == rank and record["part"]["nodes"] == 2
+        assert record["uploaded"]["to"] == f"{url}/step_3"
+    ids = {
+        json.loads((tmp_path / f"node{r}" / "step_3" / "metadata.json").read_text())["part"]["id"]
+        for r in (0, 1)
+    }
+    assert len(ids) == 1
+    durable = json.loads(
+        s3_bucket.client()
+        .get_object(Bucket=s3_bucket.name, Key="ranks/apart/step_3/metadata.json")["Body"]
+        .read()
     )
-    for report in reports:
-        assert (
-            report["error"][0] == "ConfigError"
-            and "not the same directory on every rank" in report["error"][1]
-        )
-        assert "rank(s) 1" in report["error"][1]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(durable["files"])
+    assert durable["uploaded"]["id"] in ids and "part" not in durable
     keys = s3_bucket.keys()  # every key of the bucket
-    assert not [k for k in keys if k.startswith("ranks/apart/step_")]
-    assert not list((tmp_path / "node0").glob("step_*")) and not list(
-        (tmp_path / "node0").glob(".shared-probe*")
+    assert not [k for k in keys if ".part-" in k]  # no marker left anywhere
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    # A replaced node: node 1's disk is empty. Both ranks still resume at step 3, from the prefix.
+    shutil.rmtree(tmp_path / "node1")
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+
+
+def test_a_save_one_node_committed_and_another_did_not_upload_is_uploaded_by_the_next_start(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # The job dies after both nodes committed step 3 locally, before any upload of it: the next
+    # start uploads both parts and commits step 3 in the prefix before training goes on.
+    url, options = s3_bucket.url("ranks/later"), s3_bucket.storage_options
+    nodes = str(tmp_path / "node{rank}")
+    saved = _launch(
+        "tiers_save_no_upload",
+        url,
+        tmp_path / "r",
+        options=options,
+        local_dir=nodes,
+        out=str(tmp_path / "r"),
     )
+    assert [s["latest"] for s in saved] == [3, 3], saved
+    keys = s3_bucket.keys()
+    assert "ranks/later/step_3/metadata.json" not in keys
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    keys = s3_bucket.keys()  # every key of the bucket
+    assert "ranks/later/step_3/metadata.json" in keys
 
 
 def test_every_rank_waits_with_rank_0_for_uploads_longer_than_the_collective_timeout(

@@ -17,6 +17,7 @@ import torch
 import safeckpt
 from safeckpt import CheckpointManager, Retention
 from safeckpt._format.catalog import scan
+from safeckpt._ops.upload import upload_local
 from safeckpt._store.loc import as_root
 from safeckpt.cli import main
 from safeckpt.cli.ls import listing
@@ -345,3 +346,20 @@ def test_a_copy_saved_again_while_it_is_uploaded_is_dropped_not_retried(
     with CheckpointManager(root) as mgr:
         assert mgr.restore(restored).step == 5
     assert torch.equal(restored["w"], _state(55)["w"])
+
+
+def test_safeckpt_upload_refuses_one_nodes_parts_and_leaves_them(tmp_path: Path) -> None:
+    # A part alone (a local tier on each node's disk) cannot be committed in the root: refused with
+    # a ConfigError that says what uploads it, and nothing is touched.
+    root, local = tmp_path / "root", tmp_path / "local"
+    with CheckpointManager(root, local_dir=local, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.wait(durable=True)
+    record_path = local / "step_1" / "metadata.json"
+    record = json.loads(record_path.read_text())
+    record.pop("uploaded")
+    record["part"] = {"id": "step_1.0123456789ab", "node": 1, "nodes": 2}
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=r"one node's parts of step\(s\) 1"):
+        upload_local(root, local)
+    assert json.loads(record_path.read_text()) == record

@@ -40,10 +40,10 @@ def _arm(point: str) -> None:
     if point == "local_write":
         real_commit = committer.Committer._commit
 
-        def commit(self, job, checksums):  # type: ignore[no-untyped-def]
+        def commit(self, job, checksums, **kw):  # type: ignore[no-untyped-def]
             if job.step == 3:
                 _die()
-            return real_commit(self, job, checksums)
+            return real_commit(self, job, checksums, **kw)
 
         committer.Committer._commit = commit  # type: ignore[method-assign]
     elif point == "before_upload":

@@ -59,6 +59,15 @@ class Record:
     uploaded: Mapping[str, Any] | None = None
     """With two tiers (``local_dir=``): on the durable copy, when it was uploaded (``at``) and from
     where (``from``); on the local copy, once its upload committed, when and ``to`` where."""
+    part: Mapping[str, Any] | None = None
+    """With a local tier on each node's own disk: this node's part of the save (``id``, the same on
+    every node; ``node``; ``nodes``). Its ``files`` are those this node's ranks wrote; the
+    checkpoint is whole in the local tier when every node holds its part of one ``id``."""
+
+    @property
+    def part_id(self) -> str | None:
+        """The save this part belongs to (see ``part``), or None for a whole checkpoint."""
+        return None if self.part is None else str(self.part.get("id"))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +88,7 @@ class Record:
             "torch_version": self.torch_version,
             "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
             **({} if self.uploaded is None else {"uploaded": dict(self.uploaded)}),
+            **({} if self.part is None else {"part": dict(self.part)}),
         }
 
     @classmethod
@@ -132,6 +142,7 @@ class Record:
                 checksums=checksums,
                 seq=None if seq is None else _int(seq),
                 uploaded=_optional_dict(data.get("uploaded")),
+                part=_optional_dict(data.get("part")),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(

@@ -53,6 +53,7 @@ from ..errors import (
     SaveFailedError,
 )
 from .background import COMMITTED, FAILED, StagingPool
+from .nodes import Nodes
 from .outcomes import Outcomes
 from .saves import Committed, SaveJob, SaveView
 from .session import RootSession
@@ -90,10 +91,12 @@ class Committer:
         on_commit: Callable[[Committed], None] | None = None,
         holds: Callable[[], frozenset[int]] | None = None,
         make_room: Callable[[int], None] | None = None,
+        nodes: Nodes | None = None,
     ) -> None:
         """``on_commit``: told about each commit (rank 0, after it); ``holds``: steps that pruning
         keeps for now (local commits not uploaded yet); ``make_room``: called with the step before
-        a save writes (rank 0), to free space for it."""
+        a save writes (rank 0), to free space for it. ``nodes``: with a local tier on each node's
+        disk, each node's leader commits its node's part there (and is "rank 0" above for it)."""
         self.root = root
         self.retention = retention
         self.policy = with_pinned(retention)
@@ -111,6 +114,9 @@ class Committer:
         self._on_commit = on_commit
         self._make_room = make_room
         self._holds = holds
+        self._nodes = nodes if nodes is not None else Nodes.one(parts.world_size)
+        # This rank commits, prunes and cleans up in this root: rank 0, or its node's leader.
+        self._commits_here = parts.is_leader or self._nodes.leads(parts.rank)
         self._held_back: set[int] = set()  # steps retention drops, kept for now (see prune)
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
         self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
@@ -144,7 +150,7 @@ class Committer:
                 self._view.finish(job, COMMITTED, news)
                 logger.warning("safeckpt: step %d is committed, but what followed failed: %s", job.step, e)
             else:
-                if self._parts.is_leader:
+                if self._commits_here:
                     self._discard_staging(job.staging_dir)
                 self._view.finish(job, FAILED, _as_checkpoint_error(e, job.step))
                 logger.error("safeckpt: step %d was not committed: %s", job.step, e)
@@ -180,7 +186,7 @@ class Committer:
     def _write_and_commit(self, job: SaveJob) -> None:
         parts = self._parts
         refused: BaseException | None = None
-        if parts.is_leader and not job.cancel_requested:
+        if self._commits_here and not job.cancel_requested:
             try:  # still the root's writer, before this save writes anything (save() did not ask)
                 self._session.ensure_writer(f"saving step {job.step}")
             except Exception as e:
@@ -190,14 +196,16 @@ class Committer:
                     self._make_room(job.step)
                 except Exception as e:  # making room only helps; the save's own write says if it fails
                     logger.warning("safeckpt: could not make room for step %d: %s", job.step, e)
-        cancel, refused_anywhere = parts.broadcast(
+        said = parts.gather(
             (job.cancel_requested, _portable(refused)), parts.writer, what=f"starting step {job.step}"
         )
+        cancel = said[0][0]  # rank 0's say
+        refusals = {rank: e for rank, (_, e) in enumerate(said) if e is not None}
         self._view.start(job, cancel)
-        if cancel or refused_anywhere is not None:
+        if cancel or refusals:
             job.release_staging(self._pool)
-            if refused_anywhere is not None:
-                self._fail(job, {0: refused_anywhere}, refused)
+            if refusals:
+                self._fail(job, refusals, refused)
             return
         started = time.monotonic()
         error: BaseException | None = None
@@ -229,21 +237,28 @@ class Committer:
         )
         failed = {rank: e for rank, (e, _, _) in enumerate(gathered) if e is not None}
         commit_error: BaseException | None = None
-        if not failed and parts.is_leader:
-            self._warn_diverging(job.step, [p for _, _, p in gathered])
+        if not failed and self._commits_here:
+            if parts.is_leader:
+                self._warn_diverging(job.step, [p for _, _, p in gathered])
+            node = self._nodes.node_of[parts.rank]
             checksums: dict[str, Any] = {}  # each file by name, with its writer's sums where known
-            for _, theirs, _ in gathered:
+            for rank, (_, theirs, _) in enumerate(gathered):
+                if self._nodes.count > 1:  # only this node's ranks' own files (with their sums) are here
+                    if self._nodes.node_of[rank] == node:
+                        checksums.update((n, c) for n, c in theirs.items() if c is not None)
+                    continue
                 checksums.update((n, c) for n, c in theirs.items() if c is not None or n not in checksums)
             try:
-                self._commit(job, checksums)
+                self._commit(job, checksums, part=self._part_of(job, node))
             except Exception as e:
                 commit_error = e
-        commit_error = parts.broadcast(
+        commit_errors = parts.gather(
             _portable(commit_error), parts.writer, what=f"committing step {job.step}"
         )
-        if commit_error is not None:
-            failed[0] = commit_error
+        failed.update((rank, e) for rank, e in enumerate(commit_errors) if e is not None)
         if failed:
+            if job.committed_here:  # this node's part, without another node's: never whole
+                self._withdraw(job)
             self._fail(job, failed, error)
             return
         self._view.finish(job, COMMITTED)
@@ -253,7 +268,7 @@ class Committer:
             time.monotonic() - job.submitted,
             written_at - started,
         )
-        if parts.is_leader:
+        if self._commits_here:
             try:  # bookkeeping after a commit never fails it (it is retried at the next one)
                 committed = self._view.get(job.step)
                 if self._on_commit is not None and committed is not None:
@@ -268,8 +283,9 @@ class Committer:
 
     def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
         parts = self._parts
-        if parts.is_leader:
+        if self._commits_here:
             self._discard_staging(job.staging_dir)
+        if parts.is_leader:
             latest = self._view.latest
             pointer = f"still names {'step ' + str(latest) if latest is not None else 'nothing'}"
         else:
@@ -295,7 +311,25 @@ class Committer:
         except Exception as e:
             logger.warning("safeckpt: could not clean up the failed save in %s (%s)", staging_dir, e)
 
-    def _commit(self, job: SaveJob, checksums: Mapping[str, Any]) -> None:
+    def _part_of(self, job: SaveJob, node: int) -> dict[str, Any] | None:
+        """What a node's record says of its part (None with one node: the record is whole)."""
+        if self._nodes.count == 1:
+            return None
+        return {"id": job.staging_dir.name, "node": node, "nodes": self._nodes.count}
+
+    def _withdraw(self, job: SaveJob) -> None:
+        """This node committed its part of ``job`` and another node failed to: the part goes to the
+        trash (alone it is no checkpoint, and is never uploaded). Logged, never raised."""
+        try:
+            current = self._view.get(job.step)
+            if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
+                self._trash_one(job.step)
+                if self._deleter is not None:
+                    self._deleter.schedule()
+        except Exception as e:
+            logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
+
+    def _commit(self, job: SaveJob, checksums: Mapping[str, Any], *, part: Mapping[str, Any] | None) -> None:
         """Rank 0, under the sidecar lock: record, then the rename into place, then ``latest``.
 
         The rename of the complete directory (record included) to ``step_<N>`` is
@@ -338,6 +372,7 @@ class Committer:
                 retention=retention_json(self.retention),
                 checksums=sums,
                 seq=self._view.take_seq(),
+                part=part,
             )
             write_record(job.staging_dir, record, self._lock)
             self._store.make_dir(layout.trash.key)

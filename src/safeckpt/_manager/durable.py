@@ -20,20 +20,43 @@ from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.identity import Fate, fate_of
-from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
-from .._format.record import Record, same_checkpoint, write_record
+from .._format.layout import PRUNED, RECORD_NAME, REPLACED, Layout, step_dirname
+from .._format.record import Record, read_record, same_checkpoint, write_record
 from .._policy.retention import Policy, Retention, retention_json
 from .._root.copy import copy_checkpoint
 from .._root.removal import collect_abandoned_staging
 from .._store.base import Store
 from .._store.loc import Loc
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
 from .committer import Committer
 from .damaged import DamagedCommits
+from .node_parts import (
+    area_of,
+    committed_part,
+    has_marker,
+    put_marker,
+    remove_markers,
+    wait_committed,
+    whole_record,
+)
 from .outcomes import Outcomes
 from .saves import Committed, SaveView
 from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
+
+# Reading a local copy raises these when it cannot be uploaded at all (see .uploads).
+_LOCAL_COPY_BAD = (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    CheckpointNotFoundError,
+)
 
 
 class DurableTier:
@@ -52,6 +75,7 @@ class DurableTier:
         io: IOOptions,
     ) -> None:
         self.layout = Layout(Loc(store))
+        self._is_leader = parts.is_leader
         self.root = self.layout.root.where
         self.view = SaveView()
         self.session = RootSession(
@@ -82,7 +106,11 @@ class DurableTier:
         self.session.open()
 
     def holds(self, record: Record) -> Committed | None:
-        """This root's commit of the same checkpoint (same step and bytes), if it has one."""
+        """This root's commit of the same checkpoint (same step and bytes; for a node's part, of the
+        save it is a part of), if it has one."""
+        if record.part is not None:
+            found_part = committed_part(self.layout, record)
+            return None if found_part is None else Committed(self.layout.step_dir(record.step), found_part)
         found = self.view.get(record.step)
         return found if found is not None and same_checkpoint(found.record, record) else None
 
@@ -93,7 +121,10 @@ class DurableTier:
 
         Anything that fails before the commit point leaves nothing here (the staging area is
         discarded); after it, the copy is committed whatever follows (``latest`` only warns).
+        A node's part (``record.part``) goes up as :mod:`.node_parts` says.
         """
+        if record.part is not None:
+            return self._upload_part(source, record, should_stop=should_stop)
         self.session.ensure_writer(f"uploading step {record.step}")
         staging = self.layout.staging_dir(record.step, uuid.uuid4().hex[:12])
         try:
@@ -108,8 +139,44 @@ class DurableTier:
             logger.warning("safeckpt: after uploading step %d: %s", record.step, e)
         return committed
 
-    def _commit(self, staging: Loc, record: Record, source: Loc) -> Committed:
-        """Under the lock: the record, the rename (or the commit object) into place, ``latest``."""
+    def _upload_part(
+        self, source: Loc, record: Record, *, should_stop: Callable[[], bool] | None
+    ) -> Committed:
+        """This node's part into the save's area and its marker; then rank 0 commits the area once
+        every node's part is in, and the other nodes' leaders wait for that commit."""
+        area = area_of(self.layout, record)
+        if self._is_leader:
+            self.session.ensure_writer(f"uploading step {record.step}")
+        if not has_marker(area, record) and (area / RECORD_NAME).entry() is None:
+            try:
+                copy_checkpoint(source, record, area, should_stop=should_stop)
+            except _LOCAL_COPY_BAD as e:
+                put_marker(area, record, lost=str(e))  # rank 0 drops the save, not waits for it
+                raise
+            put_marker(area, record)
+        if not self._is_leader:
+            found = wait_committed(self.layout, area, record, should_stop=should_stop)
+            return Committed(self.layout.step_dir(record.step), found)
+        try:
+            whole = read_record(area) or whole_record(area, record, should_stop=should_stop)
+        except IncompleteCheckpointError:
+            self._discard(area)  # a node's part is lost: the others see the area go
+            raise
+        committed = self._commit(area, whole, source, parts_of=record)
+        try:
+            self._pruner.prune()
+        except Exception as e:  # pruning after a commit never fails it; the next upload retries
+            logger.warning("safeckpt: after uploading step %d: %s", record.step, e)
+        return committed
+
+    def _commit(
+        self, staging: Loc, record: Record, source: Loc, *, parts_of: Record | None = None
+    ) -> Committed:
+        """Under the lock: the record, the rename (or the commit object) into place, ``latest``.
+
+        ``parts_of``: ``staging`` holds every node's part of the save this (rank 0's) part record
+        names; its markers go once the record is in, and a failure leaves the area for the next
+        try instead of discarding it."""
         lock = self.session.lock
         assert lock is not None
         store, target = self.layout.store, self.layout.step_dir(record.step)
@@ -119,10 +186,17 @@ class DurableTier:
                 seq=self.view.take_seq(),
                 registration=None,
                 retention=retention_json(self._pruner.retention),  # this root's, not the local tier's
-                uploaded={"at": time.time(), "from": str(source.where)},
+                uploaded={
+                    "at": time.time(),
+                    "from": str(source.where),
+                    **({} if parts_of is None else {"id": parts_of.part_id}),
+                },
+                part=None,
             )
             try:
                 write_record(staging, durable, lock)
+                if parts_of is not None:
+                    remove_markers(staging, int((parts_of.part or {}).get("nodes", 1)))
                 store.make_dir(self.layout.trash.key)
                 store.commit_dir(
                     staging.key,
@@ -132,7 +206,8 @@ class DurableTier:
                 )
             except BaseException:
                 if fate_of(target, durable) is not Fate.SAME:
-                    self._discard(staging)
+                    if parts_of is None:
+                        self._discard(staging)
                     raise
                 # In place, then a directory fsync failed: committed, maybe not durable yet.
                 logger.warning(

@@ -37,7 +37,7 @@ from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
 from .durable import DurableTier
 from .leader_wait import on_leader
-from .one_local_dir import check_one_local_dir
+from .nodes import find_nodes
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
 from .uploads import Uploader, not_uploaded_error
@@ -47,6 +47,10 @@ if TYPE_CHECKING:
     from .._fs.fileops import FileOps
 
 logger = logging.getLogger(__name__)
+
+# How long another node's leader waits at close() for its last uploads, once rank 0 has waited for
+# their commits: only to see them and mark its local copies.
+_NODE_CLOSE_TIMEOUT = 10.0
 
 
 class CheckpointManager:
@@ -105,8 +109,9 @@ class CheckpointManager:
             there, with the same protocol, and is then uploaded to ``root`` (the durable tier) in
             the background, in commit order, where it is committed again. ``restore()`` takes the
             newest commit of either tier, the local copy only if every byte of it verifies. See
-            ``docs/tiers.md``. With several ranks, every rank passes the one directory they share
-            (the ranks of one node); a local tier on each node's own disk is not supported yet.
+            ``docs/tiers.md``. With several nodes, every rank passes the same path, each node's
+            its own disk: each node commits its part there and uploads it, and rank 0 commits
+            the whole checkpoint in ``root``; a restore then reads ``root``.
         local_retention: which checkpoints ``local_dir`` keeps (default: the last 2); ``retention``
             is then the durable tier's. A local checkpoint is never pruned before its upload
             committed.
@@ -189,7 +194,7 @@ class CheckpointManager:
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
         parts = Participants.create(timeout=timeout, group=process_group)
-        durable = None
+        durable, nodes = None, None
         if self.local_dir is not None:
             if registrar is not None:
                 parts.release()
@@ -208,7 +213,7 @@ class CheckpointManager:
             )
             store = open_store(self.local_dir, ops=file_ops)
             try:
-                check_one_local_dir(store, parts, read_only=self.read_only)
+                nodes = find_nodes(store, parts, read_only=self.read_only)
             except BaseException:
                 parts.release()
                 raise
@@ -232,6 +237,7 @@ class CheckpointManager:
             io=io,
             durable=durable,
             overlap=bool(overlap_staging),
+            nodes=nodes,
         )
         self._durable, self._uploader = durable, w.uploader
         self._upload_stuck = False
@@ -459,7 +465,7 @@ class CheckpointManager:
                 self._parts.release()
 
     def _uploads(self) -> Uploader:
-        assert self._uploader is not None  # rank 0 of a manager with local_dir=
+        assert self._uploader is not None  # rank 0 (or a node's leader) of a manager with local_dir=
         return self._uploader
 
     def _close_uploads(self) -> None:
@@ -472,6 +478,8 @@ class CheckpointManager:
             what="close(): rank 0's uploads",
         )
         if closed is None:  # not rank 0
+            if self._uploader is not None:  # another node's leader: rank 0 has committed what it could
+                _, self._upload_stuck = self._uploader.close(_NODE_CLOSE_TIMEOUT)
             return
         left, self._upload_stuck = closed
         if self._upload_stuck:

@@ -27,9 +27,12 @@ class Outcomes:
     the control group); every rank calls it in the same order.
     """
 
-    def __init__(self, parts: Participants, view: SaveView) -> None:
+    def __init__(self, parts: Participants, view: SaveView, *, own_view: bool = False) -> None:
+        """``own_view``: this rank keeps its own view (a node's leader, with a local tier on each
+        node's disk: its view is of its node's root)."""
         self._parts = parts
         self._view = view
+        self._own_view = own_view
 
     def share_view(self, group: Any, *, what: str) -> None:
         """Every rank's view of committed checkpoints becomes rank 0's, so queries
@@ -38,7 +41,7 @@ class Outcomes:
             return
         mine = self._view.snapshot() if self._parts.is_leader else None
         snapshot = self._parts.broadcast(mine, group, what=what)
-        if not self._parts.is_leader:
+        if not self._parts.is_leader and not self._own_view:
             self._view.load_snapshot(snapshot)
 
     def same_call(self, what: str) -> None:

@@ -75,13 +75,17 @@ class Resumer:
         save_rng: bool,
         io: IOOptions,
         durable: Layout | None = None,
+        local_reads: bool = True,
     ) -> None:
-        """``durable``: with two tiers, the durable root (``layout`` is then the local tier)."""
+        """``durable``: with two tiers, the durable root (``layout`` is then the local tier);
+        ``local_reads=False``: restore from the durable root only (each node's local copy holds
+        only its part of a checkpoint)."""
         self.root = root
         self.save_rng = save_rng
         self._parts = parts
         self._layout = layout
-        self._tiers = [layout] if durable is None else [layout, durable]
+        self._tiers = [layout] if durable is None else [layout, durable] if local_reads else [durable]
+        self._own_first = self._tiers[0] is layout  # tier 0 is this manager's own root
         self._session = session
         self._damaged = damaged
         self._outcomes = outcomes
@@ -149,7 +153,7 @@ class Resumer:
                 if outcome == _SKIP:
                     tier = self._tier_of(directory)
                     excluded[tier].add(record.step)
-                    if tier == 0:  # the manager moves aside only what is in its own root
+                    if tier == 0 and self._own_first:  # the manager moves aside only what is in its own root
                         self._note_unloadable(directory, record, report)
                     continue
                 rereads += 1
@@ -239,7 +243,11 @@ class Resumer:
                 self._tiers, step, path, excluded=excluded, on_damaged=self._damaged_at_choice
             )
         return choose_checkpoint(
-            self._layout, step, path, exclude=excluded[0], on_damaged=self._damaged_at_choice
+            self._tiers[0],
+            step,
+            path,
+            exclude=excluded[0],
+            on_damaged=self._damaged_at_choice if self._own_first else None,
         )
 
     def _choose(

@@ -36,6 +36,7 @@ from ..errors import (
 )
 from .durable import DurableTier
 from .leader_wait import Heartbeat
+from .node_parts import PartsNotIn
 from .saves import Committed, SaveView
 
 logger = logging.getLogger("safeckpt.manager")
@@ -99,23 +100,38 @@ class Uploader:
                 last,
             )
 
-    def upload_earlier(self, committed: list[Committed], *, heartbeat: Heartbeat | None = None) -> None:
+    def upload_earlier(
+        self,
+        committed: list[Committed],
+        *,
+        heartbeat: Heartbeat | None = None,
+        whole: frozenset[str] | None = None,
+        wait: bool = True,
+    ) -> None:
         """At start: upload the local commits an earlier run left without an upload, before training
         goes on; if the durable tier cannot be reached, they wait in the queue (with a warning).
 
         One older than the durable root's newest commit is not uploaded: this local directory is
         behind the run (the job went on elsewhere), and uploading it would roll the root back.
-        ``heartbeat``: as for :meth:`wait`."""
+        ``heartbeat``: as for :meth:`wait`. With a part on each node: ``whole``, the saves every
+        node holds a part of (the others are never uploaded); ``wait=False`` queues without waiting
+        (a node's leader: rank 0 waits, for the commits)."""
         newest = self._durable.newest()
         waiting = []
         for c in sorted(committed, key=lambda c: (c.record.seq or 0, c.record.step)):
             if c.record.uploaded is not None:
                 continue
-            if (
-                self._durable.holds(c.record) is None
-                and newest is not None
-                and c.record.time < newest.record.time
-            ):
+            if c.record.part_id is not None and (whole is None or c.record.part_id not in whole):
+                logger.warning(
+                    "safeckpt: step %d in %s was never uploaded, and not every node holds its part of "
+                    "that save (a node's disk was replaced, or the save was cut short): it is not "
+                    "uploaded; local retention removes it",
+                    c.record.step,
+                    c.path.parent,
+                )
+                self._dropped.add((c.record.step, c.record.seq))
+                continue
+            if self.behind(c, newest):
                 logger.warning(
                     "safeckpt: step %d in %s was never uploaded, but %s has newer commits (up to step %d): "
                     "this local directory is behind the run, so it is not uploaded; local retention "
@@ -137,7 +153,7 @@ class Uploader:
             ", ".join(str(c.record.step) for c in waiting),
         )
         self._start()
-        if not self.wait(give_up_on_failure=True, heartbeat=heartbeat):
+        if wait and not self.wait(give_up_on_failure=True, heartbeat=heartbeat):
             logger.warning(
                 "safeckpt: could not upload step(s) %s to %s (%s); training goes on, and they are "
                 "uploaded in the background once it can be reached",
@@ -145,6 +161,17 @@ class Uploader:
                 self._durable.root,
                 self._last_error,
             )
+
+    def behind(self, c: Committed, newest: Committed | None) -> bool:
+        """``c`` is older than the durable root's ``newest`` commit, which does not hold it."""
+        return (
+            newest is not None
+            and c.record.time < newest.record.time
+            and self._durable.holds(c.record) is None
+        )
+
+    def newest_durable(self) -> Committed | None:
+        return self._durable.newest()
 
     def held(self) -> frozenset[int]:
         """Local steps that local retention keeps: every commit whose record is not marked as
@@ -241,6 +268,8 @@ class Uploader:
                 self._work_one()
             except CopyStopped:
                 return
+            except PartsNotIn as e:  # another node's part, or rank 0's commit of it: not a failure
+                logger.debug("safeckpt: %s", e)
             except Exception as e:
                 self._failed(e)
 
@@ -253,6 +282,8 @@ class Uploader:
                 self._upload(head)
             except _LOCAL_COPY_BAD as e:
                 self._drop(head, e)
+            except PartsNotIn:
+                raise  # still first in line: tried again at once
             except OSError as e:
                 if fate_of(head.path, head.record) is Fate.SAME:
                     raise  # the local copy is as queued: the durable tier failed, try again

@@ -27,6 +27,7 @@ from .committer import Committer
 from .damaged import DamagedCommits
 from .durable import DurableTier
 from .leader_wait import Heartbeat, on_leader
+from .nodes import Nodes
 from .outcomes import Outcomes
 from .pins import Pins
 from .preemption import PreemptionHandlers
@@ -76,13 +77,18 @@ def wire(
     io: IOOptions,
     durable: DurableTier | None = None,
     overlap: bool = False,
+    nodes: Nodes | None = None,
 ) -> Wiring:
     """Build the collaborators and open ``root`` (rank 0); every rank raises the same error if that fails.
 
     With ``durable`` (two tiers), ``store`` is the local tier: saves commit there, and each commit
     is uploaded to ``durable``, which rank 0 opens too; commits of an earlier run that were not
     uploaded are uploaded before this returns (or queued, if the durable tier cannot be reached).
+    ``nodes``: with a ``local_dir`` on each node's disk, each node's leader opens its own and
+    uploads its node's part of each save (:mod:`.node_parts`).
     """
+    nodes = nodes if nodes is not None else Nodes.one(parts.world_size)
+    leads_root = parts.is_leader or nodes.leads(parts.rank)  # holds this rank's local root
     layout = Layout(Loc(store))
     root = layout.root.where
     view = SaveView()
@@ -97,22 +103,23 @@ def wire(
         lock_timeout=lock_timeout,
         retry_interval=retry_interval,
     )
-    outcomes = Outcomes(parts, view)
+    outcomes = Outcomes(parts, view, own_view=leads_root and not parts.is_leader)
     error: BaseException | None = None
     registration: RegistrationWorker | None = None
     uploader: Uploader | None = None
-    if parts.is_leader:
+    if leads_root:
         try:
             session.open()
             if durable is not None:
                 try:
-                    durable.open()
+                    if parts.is_leader:  # the other nodes' leaders only put their parts there
+                        durable.open()
                 except BaseException:
                     session.release()  # the local root's lock and owner record go with the error
                     raise
                 assert session.lock is not None
                 uploader = Uploader(durable, view, session.lock, retry_interval=retry_interval)
-            if registrar is not None and not read_only:
+            if registrar is not None and not read_only and parts.is_leader:
                 assert session.lock is not None
                 registration = RegistrationWorker(
                     registrar, session.lock, layout.root, timeout=registration_timeout
@@ -139,12 +146,20 @@ def wire(
         on_commit=uploader.submit if uploader is not None else None,
         holds=uploader.held if uploader is not None else None,
         make_room=LocalRoom(layout, view, session).make_room if uploader is not None else None,
+        nodes=nodes,
     )
     owns_local = session.ownership is not None and session.ownership.claimed
 
+    uploading = uploader is not None and not read_only and owns_local  # a live job's are its own
+    whole = _whole_saves(parts, nodes, uploader, view) if durable is not None and nodes.count > 1 else None
+    if uploading and not parts.is_leader:
+        assert uploader is not None  # a node's leader: its parts go up beside rank 0's, which waits
+        uploader.upload_earlier(view.committed(), whole=whole, wait=False)
+
     def upload_earlier(heartbeat: Heartbeat) -> None:
-        if uploader is not None and not read_only and owns_local:  # a live job's commits are its own
-            uploader.upload_earlier(view.committed(), heartbeat=heartbeat)
+        if uploading:
+            assert uploader is not None
+            uploader.upload_earlier(view.committed(), heartbeat=heartbeat, whole=whole)
 
     if durable is not None:  # rank 0 uploads; the other ranks wait with it
         on_leader(parts, upload_earlier, what="uploading what an earlier run left")
@@ -160,6 +175,7 @@ def wire(
         save_rng=save_rng,
         io=io,
         durable=durable.layout if durable is not None else None,
+        local_reads=nodes.count == 1,
     )
     pins = Pins(root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes)
     saver = Saver(
@@ -194,3 +210,26 @@ def wire(
         state_cache,
         uploader,
     )
+
+
+def _whole_saves(
+    parts: Participants, nodes: Nodes, uploader: Uploader | None, view: SaveView
+) -> frozenset[str]:
+    """Collective: the saves not uploaded yet of which every node holds its part, and which are not
+    behind the durable root (rank 0 decides, as for one node): only these are uploaded."""
+    mine = None
+    if uploader is not None and nodes.leads(parts.rank):
+        mine = {
+            c.record.part_id: c for c in view.committed() if c.record.uploaded is None and c.record.part_id
+        }
+    said = parts.gather(None if mine is None else frozenset(mine), parts.control, what="the parts to upload")
+    whole: frozenset[str] = frozenset()
+    if parts.is_leader and mine is not None:
+        held = [said[rank] for rank in nodes.leaders]
+        if all(h is not None for h in held):
+            newest = uploader.newest_durable() if uploader is not None else None
+            whole = frozenset.intersection(*held)
+            whole = frozenset(
+                i for i in whole if uploader is not None and not uploader.behind(mine[i], newest)
+            )
+    return parts.broadcast(whole, parts.control, what="the parts to upload")

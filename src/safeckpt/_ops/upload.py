@@ -18,7 +18,7 @@ from .._manager.manager import CheckpointManager
 from .._root.ownership import live_writer
 from .._store.loc import Loc, as_root
 from .._store.registry import open_store
-from ..errors import RootInUseError
+from ..errors import ConfigError, RootInUseError
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,18 @@ def upload_local(
                 "commits itself. Run `safeckpt upload` once it has stopped.",
                 path=str(where),
             )
+    parts = [
+        e.step
+        for e in scan(as_root(local_dir)).entries
+        if e.record is not None and e.record.part is not None and e.record.uploaded is None
+    ]
+    if parts:
+        raise ConfigError(
+            f"{local_dir} holds one node's parts of step(s) {', '.join(map(str, sorted(parts)))} (a "
+            "local tier on each node's disk): a part alone cannot be committed in the root. The "
+            "job's next start, on every node, uploads them.",
+            path=str(local_dir),
+        )
     started = time.time()
     manager = CheckpointManager(root, local_dir=local_dir, async_save=False, storage_options=storage_options)
     manager.close()

@@ -1,0 +1,140 @@
+"""Uploading a save whose local copy is split across nodes (a local tier on each node's disk).
+
+Each node's leader uploads its node's part of a save into one area of the
+durable root's ``.staging/``, named by the save (``part.id``, the same on every
+node), and then writes its marker there: ``.part-<node>``, the files it put
+there and their checksums. Rank 0 commits the area once every node's marker is
+in (the durable record lists the union), with the root's own protocol; the
+other leaders learn of the commit from the durable record (its
+``uploaded.id``). The upload threads never run collectives: an upload may take
+longer than any collective's timeout.
+
+A node whose part cannot be uploaded (its local copy is damaged) says so in its
+marker (``lost``), and rank 0 then drops the whole save; a leader whose part
+went up sees the area vanish without a commit and drops it too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._format.layout import RECORD_NAME, Layout
+from .._format.record import Record, read_record
+from .._store.loc import Loc
+from ..errors import CheckpointError, IncompleteCheckpointError
+
+_MARKER = ".part-{node}"
+_POLL = 0.2  # s between looks for the other nodes' markers, or for rank 0's commit
+_WAIT_PER_TRY = 60.0  # s one try waits for them; then it counts as a failed try (retried)
+
+
+class PartsNotIn(OSError):
+    """Some nodes' parts are not in yet (or rank 0 has not committed yet): tried again."""
+
+
+def area_of(layout: Layout, record: Record) -> Loc:
+    """The durable staging area of a save's parts: the local staging directory's name."""
+    return layout.staging / str(record.part_id)
+
+
+def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:
+    """This node's part is in ``area`` (or, with ``lost``, never will be)."""
+    node = (record.part or {}).get("node")
+    body = {"node": node, "files": dict(record.files), "checksums": dict(record.checksums or {})}
+    if lost is not None:
+        body = {"node": node, "lost": lost}
+    (marker := area / _MARKER.format(node=node)).store.write_atomic(marker.key, json.dumps(body).encode())
+
+
+def has_marker(area: Loc, record: Record) -> bool:
+    node = (record.part or {}).get("node")
+    return (area / _MARKER.format(node=node)).entry() is not None
+
+
+def whole_record(area: Loc, record: Record, *, should_stop: Callable[[], bool] | None) -> Record:
+    """Rank 0: the save's record over every node's part, once every marker is in ``area`` (waits
+    up to a try's length for them). Raises :class:`PartsNotIn` to be tried again, and
+    :class:`IncompleteCheckpointError` when a node's part is lost."""
+    nodes = int((record.part or {}).get("nodes", 1))
+    deadline = time.monotonic() + _WAIT_PER_TRY
+    while True:
+        found = _markers(area, nodes)
+        lost = {n: m["lost"] for n, m in found.items() if "lost" in m}
+        if lost:
+            raise IncompleteCheckpointError(
+                f"the part of step {record.step} on node(s) {', '.join(map(str, sorted(lost)))} cannot "
+                f"be uploaded ({'; '.join(map(str, lost.values()))}), so the step is not durable",
+                step=record.step,
+            )
+        if len(found) == nodes:
+            break
+        if time.monotonic() > deadline or (should_stop is not None and should_stop()):
+            missing = sorted(set(range(nodes)) - set(found))
+            raise PartsNotIn(f"the parts of step {record.step} from node(s) {missing} are not uploaded yet")
+        time.sleep(_POLL)
+    files: dict[str, int] = {}
+    checksums: dict[str, Any] = {}
+    for marker in found.values():
+        files.update(marker["files"])
+        checksums.update(marker["checksums"])
+    return Record.from_json(
+        {**record.to_json(), "files": files, "checksums": checksums, "part": None},
+        path=str(area / RECORD_NAME),
+        step=record.step,
+    )
+
+
+def remove_markers(area: Loc, nodes: int) -> None:
+    for node in range(nodes):
+        marker = area / _MARKER.format(node=node)
+        if marker.entry() is not None:
+            marker.store.remove(marker.key)
+
+
+def committed_part(layout: Layout, record: Record) -> Record | None:
+    """The durable commit of the save ``record`` is a part of, if that is the root's copy of its step."""
+    try:
+        found = read_record(layout.step_dir(record.step))
+    except (CheckpointError, OSError):
+        return None
+    if found is None or (found.uploaded or {}).get("id") != record.part_id:
+        return None
+    return found
+
+
+def wait_committed(
+    layout: Layout, area: Loc, record: Record, *, should_stop: Callable[[], bool] | None
+) -> Record:
+    """A node's leader, its part uploaded: until rank 0 commits the save (waits up to a try's
+    length). :class:`PartsNotIn` to be tried again; :class:`IncompleteCheckpointError` when the
+    save was dropped (its area gone, not committed)."""
+    deadline = time.monotonic() + _WAIT_PER_TRY
+    while True:
+        found = committed_part(layout, record)
+        if found is not None:
+            return found
+        gone = not has_marker(area, record) and (area / RECORD_NAME).entry() is None
+        if gone and committed_part(layout, record) is None:  # rank 0 writes the record, then commits
+            raise IncompleteCheckpointError(
+                f"step {record.step} was not committed in {layout.root}: another node's part of it "
+                "could not be uploaded, so it is not durable",
+                step=record.step,
+            )
+        if time.monotonic() > deadline or (should_stop is not None and should_stop()):
+            raise PartsNotIn(f"step {record.step} is not committed in {layout.root} yet")
+        time.sleep(_POLL)
+
+
+def _markers(area: Loc, nodes: int) -> Mapping[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
+    for node in range(nodes):
+        marker = area / _MARKER.format(node=node)
+        try:
+            raw = marker.store.read_small(marker.key, limit=16 << 20, what="part marker")
+        except FileNotFoundError:
+            continue
+        found[node] = json.loads(raw)
+    return found
