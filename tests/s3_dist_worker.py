@@ -128,10 +128,17 @@ def tiers_save_no_upload(
 
 
 def tiers_restore(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("safeckpt").addHandler(handler)
+    logging.getLogger("safeckpt").setLevel(logging.INFO)
     model, optim = _model(ws)
     with CheckpointManager(url, local_dir=local_dir.format(rank=rank), storage_options=options) as mgr:
         restored = mgr.restore({"model": model, "optim": optim})
-    return {"weights": _local(model), "step": restored.step, "path": str(restored.path)}
+    return {"weights": _local(model), "step": restored.step, "path": str(restored.path), "said": said}
 
 
 UPLOAD_PAUSE = 3.0  # s added to each upload on rank 0: longer than the collective timeout (2 s)

@@ -148,14 +148,34 @@ def test_each_node_commits_its_part_on_its_own_disk_and_the_prefix_gets_the_whol
     assert durable["uploaded"]["id"] in ids and "part" not in durable
     keys = s3_bucket.keys()  # every key of the bucket
     assert not [k for k in keys if ".part-" in k]  # no marker left anywhere
+    # Each rank reads its node's part from its own disk, the rest (the other node's files) from the
+    # prefix: node 0 holds .metadata, its rank's shard and train state; node 1 its shard and train state.
     restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
     assert [r["step"] for r in restored] == [3, 3]
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
-    # A replaced node: node 1's disk is empty. Both ranks still resume at step 3, from the prefix.
+    for rank, files in ((0, 3), (1, 2)):
+        assert (
+            f"safeckpt: reading {files} file(s) of step 3 from {tmp_path / f'node{rank}' / 'step_3'}"
+            in restored[rank]["said"]
+        )
+    assert not any("local parts" in m for r in restored for m in r["said"]), restored[0]["said"]
+    # A flipped byte in node 1's part: every rank reads step 3 again, from the prefix alone.
+    data = tmp_path / "node1" / "step_3" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    assert all(any("with the nodes' local parts" in m for m in r["said"]) for r in restored)
+    # A replaced node: node 1's disk is empty. Both ranks still resume at step 3: node 0 reads its
+    # part locally, node 1 everything from the prefix.
     shutil.rmtree(tmp_path / "node1")
     restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
     assert [r["step"] for r in restored] == [3, 3]
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    assert any("reading 3 file(s) of step 3" in m for m in restored[0]["said"])
+    assert not any("file(s) of step 3 from" in m for m in restored[1]["said"])
 
 
 def test_a_save_one_node_committed_and_another_did_not_upload_is_uploaded_by_the_next_start(

@@ -129,7 +129,7 @@ def test_local_checkpoints_wait_for_their_upload_while_the_root_cannot_be_reache
     s3_proxy: Any, s3_bucket: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     root, local = s3_bucket.url("down"), tmp_path / "local"
-    options = {"max_attempts": 1, "connect_timeout": 1, "read_timeout": 2}
+    options = {"max_attempts": 1, "connect_timeout": 5, "read_timeout": 5}  # 503s come at once
     s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
     with (
         caplog.at_level(logging.WARNING),
@@ -256,7 +256,7 @@ def test_a_local_copy_damaged_before_its_upload_is_dropped_and_the_next_ones_go_
 ) -> None:
     root, local = s3_bucket.url("dropped"), tmp_path / "local"
     s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
-    options = {"max_attempts": 1, "connect_timeout": 1, "read_timeout": 2}
+    options = {"max_attempts": 1, "connect_timeout": 5, "read_timeout": 5}  # 503s come at once
     with (
         caplog.at_level(logging.WARNING),
         CheckpointManager(root, local_dir=local, storage_options=options, retry_interval=0.05) as mgr,

@@ -111,7 +111,8 @@ class CheckpointManager:
             newest commit of either tier, the local copy only if every byte of it verifies. See
             ``docs/tiers.md``. With several nodes, every rank passes the same path, each node's
             its own disk: each node commits its part there and uploads it, and rank 0 commits
-            the whole checkpoint in ``root``; a restore then reads ``root``.
+            the whole checkpoint in ``root``; a restore reads each node's part from its disk and
+            the rest from ``root``.
         local_retention: which checkpoints ``local_dir`` keeps (default: the last 2); ``retention``
             is then the durable tier's. A local checkpoint is never pruned before its upload
             committed.

@@ -35,6 +35,7 @@ from .._restore.choose import (
 )
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
+from .._restore.part_overlay import PartOverlay, local_part
 from .._restore.restored import Restored
 from .._restore.tiers import choose_across
 from .._store.loc import Loc
@@ -86,6 +87,9 @@ class Resumer:
         self._layout = layout
         self._tiers = [layout] if durable is None else [layout, durable] if local_reads else [durable]
         self._own_first = self._tiers[0] is layout  # tier 0 is this manager's own root
+        # Each node's local copy is its part of a checkpoint: read with the root's (part_overlay).
+        self._reads_parts = durable is not None and not local_reads
+        self._parts_failed: set[int] = set()  # steps whose local parts failed: read from the root
         self._session = session
         self._damaged = damaged
         self._outcomes = outcomes
@@ -201,8 +205,11 @@ class Resumer:
         what = f"restore of step {record.step}"
         # Each rank checks its own files first, so one rank's damaged file is the same error on
         # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
+        overlay = self._with_local_part(directory, record)
+        local = overlay is not None
+        directory = overlay or directory
         own = _attempt(check_own_files, directory, record, parts.rank)
-        outcome, why = self._next_move(own, what, directory, record, asked)
+        outcome, why = self._next_move(own, what, directory, record, asked, local=local)
         if outcome != _LOADED:
             return outcome, why
         report: Any = None
@@ -219,8 +226,19 @@ class Resumer:
             )
         except _WRITE_ERRORS as e:
             load_error = as_read_error(e, directory, record)
-        outcome, why = self._next_move(load_error, what, directory, record, asked)
+        outcome, why = self._next_move(load_error, what, directory, record, asked, local=local)
         return outcome, report if outcome == _LOADED else why
+
+    def _with_local_part(self, directory: Loc, record: Record) -> Loc | None:
+        """``directory`` read with this node's local part of it, where this node holds one."""
+        if not self._reads_parts or record.step in self._parts_failed:
+            return None
+        found = local_part(self._layout, record)
+        if found is None:
+            return None
+        part, files = found
+        logger.info("safeckpt: reading %d file(s) of step %d from %s", len(files), record.step, part)
+        return Loc(PartOverlay(directory.store, directory.key, part, files), directory.key)
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
@@ -282,17 +300,31 @@ class Resumer:
         directory: Loc,
         record: Record,
         asked: tuple[bool, bool],
+        *,
+        local: bool = False,
     ) -> tuple[str, str]:
         """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
-        was replaced or removed under this reader; ``_SKIP`` to fall back past damage (auto-resume,
-        or a step's local copy); else raise the same error on every rank.
+        was replaced or removed under this reader, or damage was found where a rank read its
+        node's local part (the root's copy is read next); ``_SKIP`` to fall back past damage
+        (auto-resume, or a step's local copy); else raise the same error on every rank.
 
-        ``asked``: (auto-resume, a step was asked for)."""
+        ``asked``: (auto-resume, a step was asked for); ``local``: this rank read a local part."""
         auto, step_asked = asked
-        gathered = self._parts.gather(_portable(error), self._parts.control, what=what)
-        failed = {rank: e for rank, e in enumerate(gathered) if e is not None}
+        gathered = self._parts.gather((_portable(error), local), self._parts.control, what=what)
+        failed = {rank: e for rank, (e, _) in enumerate(gathered) if e is not None}
         if not failed:
             return _LOADED, ""
+        if any(part for _, part in gathered) and all(is_damage(e) for e in failed.values()):
+            self._parts_failed.add(record.step)
+            why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            logger.warning(
+                "safeckpt: step %d cannot be loaded with the nodes' local parts (%s); reading it "
+                "from %s alone",
+                record.step,
+                why,
+                self._tiers[0].root,
+            )
+            return _AGAIN, ""
         fate = self._fate(directory, record, what)
         if fate is Fate.REPLACED or (fate is Fate.GONE and auto):
             logger.info(
