@@ -127,6 +127,60 @@ def tiers_save_no_upload(
     os._exit(0)
 
 
+def tiers_die_at(
+    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str, point: str
+) -> Any:
+    """Steps 1 and 2 made durable, step 3 committed on both nodes; then one process dies while
+    step 3 goes up: node 1's leader halfway through its part (``during_upload``), or rank 0 with
+    the whole record written into the area, before the commit (``durable_commit``). The other
+    rank's wait then fails, and it exits too."""
+    from safeckpt._manager import durable
+
+    result: dict[str, Any] = {}
+
+    def finish() -> None:
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"ok": True, "result": result}))
+        os._exit(0)
+
+    if point == "durable_commit" and rank == 0:
+        real_write = durable.write_record
+
+        def write(directory, record, lock):  # type: ignore[no-untyped-def]
+            real_write(directory, record, lock)
+            if record.step == 3:
+                finish()
+
+        durable.write_record = write
+    elif point == "during_upload" and rank == 1:
+        real_copy = durable.copy_checkpoint
+
+        def copy(source, record, target, **kwargs):  # type: ignore[no-untyped-def]
+            if record.step == 3:
+                target.store.make_dir(target.key)
+                with target.store.open_write((target / sorted(record.files)[0]).key) as half:
+                    half.write(b"\0" * 16)
+                    finish()
+            return real_copy(source, record, target, **kwargs)
+
+        durable.copy_checkpoint = copy
+    model, optim = _model(ws)
+    mgr = CheckpointManager(
+        url, local_dir=local_dir.format(rank=rank), async_save=False, storage_options=options
+    )
+    for step in (1, 2):
+        _train(model, optim, rank, 1)
+        mgr.save(step, {"model": model, "optim": optim})
+    mgr.wait(durable=True)
+    _train(model, optim, rank, 1)
+    mgr.save(3, {"model": model, "optim": optim})
+    result.update(weights=_local(model), latest=mgr.latest_step)
+    try:
+        mgr.wait(durable=True)
+    except CheckpointError as e:  # the other process died
+        result["error"] = type(e).__name__
+    finish()
+
+
 def tiers_restore(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     import logging
 
@@ -203,6 +257,7 @@ SCENARIOS = {
     "tiers_save": tiers_save,
     "tiers_restore": tiers_restore,
     "tiers_save_no_upload": tiers_save_no_upload,
+    "tiers_die_at": tiers_die_at,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

@@ -203,6 +203,33 @@ def test_a_save_one_node_committed_and_another_did_not_upload_is_uploaded_by_the
     assert "ranks/later/step_3/metadata.json" in keys
 
 
+@pytest.mark.parametrize("point", ["during_upload", "durable_commit"])
+def test_a_process_killed_while_a_save_goes_up_loses_nothing_and_the_next_start_commits_it_once(
+    s3_bucket, tmp_path: Path, point: str
+) -> None:  # type: ignore[no-untyped-def]
+    # Node 1's leader dies halfway through its part, or rank 0 with the whole record in the area
+    # before the commit: step 3 is in both nodes' parts only. The next start collects the area,
+    # uploads both parts again and commits step 3 once, before training goes on.
+    url, options = s3_bucket.url(f"ranks/kill-{point}"), s3_bucket.storage_options
+    nodes, out = str(tmp_path / "node{rank}"), str(tmp_path / "r")
+    saved = _launch(
+        "tiers_die_at", url, tmp_path / "r", options=options, local_dir=nodes, out=out, point=point
+    )
+    assert [s["latest"] for s in saved] == [3, 3], saved
+    prefix = f"ranks/kill-{point}/"
+    keys = s3_bucket.keys()  # every key of the bucket
+    assert f"{prefix}step_3/metadata.json" not in keys
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [3, 3]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+    keys = s3_bucket.keys()  # every key of the bucket
+    assert f"{prefix}step_3/metadata.json" in keys
+    assert not [k for k in keys if ".part-" in k], keys
+    for rank in (0, 1):  # each node's part is marked uploaded
+        record = json.loads((tmp_path / f"node{rank}" / "step_3" / "metadata.json").read_text())
+        assert record["uploaded"]["to"] == f"{url}/step_3"
+
+
 def test_every_rank_waits_with_rank_0_for_uploads_longer_than_the_collective_timeout(
     s3_bucket, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -76,6 +76,7 @@ class DurableTier:
     ) -> None:
         self.layout = Layout(Loc(store))
         self._is_leader = parts.is_leader
+        self.run = ""  # this run's id, the same on every rank (see node_parts.area_of)
         self.root = self.layout.root.where
         self.view = SaveView()
         self.session = RootSession(
@@ -144,7 +145,7 @@ class DurableTier:
     ) -> Committed:
         """This node's part into the save's area and its marker; then rank 0 commits the area once
         every node's part is in, and the other nodes' leaders wait for that commit."""
-        area = area_of(self.layout, record)
+        area = area_of(self.layout, record, self.run)
         if self._is_leader:
             self.session.ensure_writer(f"uploading step {record.step}")
         if not has_marker(area, record) and (area / RECORD_NAME).entry() is None:

@@ -1,9 +1,10 @@
 """Uploading a save whose local copy is split across nodes (a local tier on each node's disk).
 
 Each node's leader uploads its node's part of a save into one area of the
-durable root's ``.staging/``, named by the save (``part.id``, the same on every
-node), and then writes its marker there: ``.part-<node>``, the files it put
-there and their checksums. Rank 0 commits the area once every node's marker is
+durable root's ``.staging/``, named by the save (``part.id``) and the run (so a
+retry after a restart never writes into an abandoned area being deleted), the
+same on every node. It then writes its marker there: ``.part-<node>``, the
+files it put there and their checksums. Rank 0 commits the area once every node's marker is
 in (the durable record lists the union), with the root's own protocol; the
 other leaders learn of the commit from the durable record (its
 ``uploaded.id``). The upload threads never run collectives: an upload may take
@@ -16,6 +17,7 @@ went up sees the area vanish without a commit and drops it too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -35,9 +37,12 @@ class PartsNotIn(OSError):
     """Some nodes' parts are not in yet (or rank 0 has not committed yet): tried again."""
 
 
-def area_of(layout: Layout, record: Record) -> Loc:
-    """The durable staging area of a save's parts: the local staging directory's name."""
-    return layout.staging / str(record.part_id)
+def area_of(layout: Layout, record: Record, run: str) -> Loc:
+    """The durable staging area of a save's parts in this run (``run``: the same on every rank).
+    Another run's area of the same save may still be in the root, being deleted as abandoned:
+    a new run's upload never writes into it."""
+    token = hashlib.sha256(f"{record.part_id}/{run}".encode()).hexdigest()[:12]
+    return layout.staging_dir(record.step, token)
 
 
 def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:

@@ -129,6 +129,8 @@ def wire(
     parts.agree(error, parts.control, what=f"opening {root}")
     outcomes.share_view(parts.control, what=f"the checkpoints in {root}")
     token = parts.broadcast(uuid.uuid4().hex[:6], parts.control, what="the save session id")
+    if durable is not None:
+        durable.run = token
     pool = StagingPool(queue_depth) if async_save else None
     committer = Committer(
         root,
