@@ -28,6 +28,7 @@ def _safeckpt_logs(caplog: pytest.LogCaptureFixture) -> None:
 _LONGEST_FIRST = (
     "test_tiers.py",
     "test_s3_ranks.py",
+    "test_node_tiers.py",
     "test_demo.py",
     "test_lightning.py",
     "test_crash.py",

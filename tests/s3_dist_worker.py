@@ -130,11 +130,12 @@ def tiers_save_no_upload(
 def tiers_die_at(
     rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str, point: str
 ) -> Any:
-    """Steps 1 and 2 made durable, step 3 committed on both nodes; then one process dies while
-    step 3 goes up: node 1's leader halfway through its part (``during_upload``), or rank 0 with
-    the whole record written into the area, before the commit (``durable_commit``). The other
-    rank's wait then fails, and it exits too."""
-    from safeckpt._manager import durable
+    """Steps 1 and 2 made durable; then one process dies at step 3: node 1's leader with its files
+    written, before its local commit (``local_write``), or, step 3 committed on both nodes, while it
+    goes up: node 1's leader halfway through its part (``during_upload``), or rank 0 with the whole
+    record written into the area, before the commit (``durable_commit``). The other rank's call
+    then fails, and it exits too."""
+    from safeckpt._manager import committer, durable
 
     result: dict[str, Any] = {}
 
@@ -151,6 +152,15 @@ def tiers_die_at(
                 finish()
 
         durable.write_record = write
+    elif point == "local_write" and rank == 1:
+        real_commit = committer.Committer._commit
+
+        def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+            if job.step == 3:
+                finish()  # written, not committed on this node
+            return real_commit(self, job, checksums, **kwargs)
+
+        committer.Committer._commit = commit  # type: ignore[method-assign]
     elif point == "during_upload" and rank == 1:
         real_copy = durable.copy_checkpoint
 
@@ -171,14 +181,45 @@ def tiers_die_at(
         _train(model, optim, rank, 1)
         mgr.save(step, {"model": model, "optim": optim})
     mgr.wait(durable=True)
+    result["weights_2"] = _local(model)
     _train(model, optim, rank, 1)
-    mgr.save(3, {"model": model, "optim": optim})
-    result.update(weights=_local(model), latest=mgr.latest_step)
     try:
+        mgr.save(3, {"model": model, "optim": optim})
+        result.update(weights=_local(model), latest=mgr.latest_step)
         mgr.wait(durable=True)
     except CheckpointError as e:  # the other process died
         result["error"] = type(e).__name__
     finish()
+
+
+def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Saves while the durable tier refuses every write: they commit on each node and wait; once it
+    is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
+    import time
+
+    from safeckpt.errors import SaveFailedError
+
+    model, optim = _model(ws)
+    failures = 0
+    with CheckpointManager(
+        url, local_dir=local_dir.format(rank=rank), storage_options=options, retry_interval=0.05
+    ) as mgr:
+        for step in (1, 2, 3):
+            _train(model, optim, rank, 1)
+            mgr.save(step, {"model": model, "optim": optim})
+            mgr.wait()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                mgr.wait(durable=True)
+                break
+            except SaveFailedError:
+                failures += 1
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        latest = mgr.latest_step
+    return {"weights": _local(model), "latest": latest, "failures": failures}
 
 
 def tiers_restore(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
@@ -258,6 +299,7 @@ SCENARIOS = {
     "tiers_restore": tiers_restore,
     "tiers_save_no_upload": tiers_save_no_upload,
     "tiers_die_at": tiers_die_at,
+    "tiers_root_down": tiers_root_down,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

@@ -39,6 +39,7 @@ from .node_parts import (
     area_of,
     committed_part,
     has_marker,
+    of_run,
     put_marker,
     remove_markers,
     wait_committed,
@@ -104,6 +105,7 @@ class DurableTier:
         )
 
     def open(self) -> None:
+        self.session.keep_staging = lambda name: of_run(name, self.run)
         self.session.open()
 
     def holds(self, record: Record) -> Committed | None:

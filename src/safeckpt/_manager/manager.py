@@ -295,6 +295,8 @@ class CheckpointManager:
             self._writer.wait_idle()
         error: BaseException | None = None
         if durable and self._durable is not None:
+            if self._uploader is not None and not self._parts.is_leader:
+                self._uploader.wake()  # another node's leader: rank 0's commits wait for its parts
             self._outcomes.same_call("wait(durable=True)")  # before rank 0's heartbeats
             uploaded = on_leader(
                 self._parts,

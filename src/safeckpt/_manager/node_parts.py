@@ -41,8 +41,13 @@ def area_of(layout: Layout, record: Record, run: str) -> Loc:
     """The durable staging area of a save's parts in this run (``run``: the same on every rank).
     Another run's area of the same save may still be in the root, being deleted as abandoned:
     a new run's upload never writes into it."""
-    token = hashlib.sha256(f"{record.part_id}/{run}".encode()).hexdigest()[:12]
-    return layout.staging_dir(record.step, token)
+    return layout.staging_dir(record.step, run + hashlib.sha256(str(record.part_id).encode()).hexdigest()[:6])
+
+
+def of_run(name: str, run: str) -> bool:
+    """Whether the staging name ``name`` is an area of run ``run`` (:func:`area_of`): in use by
+    other nodes' leaders even before this rank claims the root, so never collected as a leftover."""
+    return bool(run) and name.rpartition(".")[2].startswith(run)
 
 
 def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .._dist.failures import root_not_writable
 from .._format.catalog import Catalog, scan
@@ -55,6 +56,8 @@ class RootSession:
         self.lock: Lock | None = None
         self.ownership: Ownership | None = None
         self.deleter: Deleter | None = None
+        # Staging names in use by other writers (other nodes' uploads of this run): never leftovers.
+        self.keep_staging: Callable[[str], bool] | None = None
         self._claiming = threading.Lock()  # ensure_writer() runs on the caller's and the writer thread
 
     def open(self) -> None:
@@ -141,7 +144,7 @@ class RootSession:
     def _take_root(self) -> None:
         """Once this manager owns the root: start-up collection, the view, the deleter."""
         assert self.lock is not None and self.ownership is not None
-        catalog = take_root(self._layout, self.lock)
+        catalog = take_root(self._layout, self.lock, keep=self.keep_staging)
         self._load_view(catalog)
         self.move_damaged_aside()  # what a restore stepped over before this manager owned the root
         if self.deleter is None:

@@ -217,6 +217,11 @@ class Uploader:
                     heartbeat.send()
                 beat = time.monotonic() + every
 
+    def wake(self) -> None:
+        """Cut a pause between tries short: someone waits for the uploads (another node's leader,
+        whose rank 0 waits for its parts)."""
+        self._wake.set()
+
     def waiting(self) -> tuple[list[int], BaseException | None]:
         """The steps still queued, and the last failure."""
         with self._cond:

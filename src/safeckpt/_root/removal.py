@@ -270,17 +270,20 @@ def recover_interrupted_replacements(layout: Layout, lock: Lock) -> list[int]:
     return restored
 
 
-def collect_abandoned_staging(layout: Layout, lock: Lock, *, only: Loc | None = None) -> list[Loc]:
+def collect_abandoned_staging(
+    layout: Layout, lock: Lock, *, only: Loc | None = None, keep: Callable[[str], bool] | None = None
+) -> list[Loc]:
     """Move ``.staging`` leftovers (or just ``only``) into the trash; the trash paths.
 
     Every leftover only at start, before any save; ``only`` for a save that
-    failed. Holds the sidecar lock. An entry already gone is skipped.
+    failed. Holds the sidecar lock. An entry already gone is skipped, and one
+    whose name ``keep`` says is in use (other writers' uploads of this run).
     """
     moved = []
     with lock:
         entries = [only] if only is not None else layout.staging_entries()
         for entry in entries:
-            if entry.entry() is None:
+            if entry.entry() is None or (only is None and keep is not None and keep(entry.name)):
                 continue
             step = parse_staging_name(entry.name)
             target = layout.new_trash_path(step if step is not None else 0, ABANDONED)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._format.catalog import Catalog, scan
 from .._format.layout import LATEST_NAME, Layout, step_dirname
@@ -30,10 +30,11 @@ _ROOT_ORPHAN = re.compile(r"^\.(latest|owner)\.tmp\.[0-9a-f]{12}$")
 _CHECKPOINT_ORPHAN = re.compile(r"^\..+\.tmp\.[0-9a-f]{12}$|^\.metadata\.tmp$")
 
 
-def take_root(layout: Layout, lock: Lock) -> Catalog:
+def take_root(layout: Layout, lock: Lock, *, keep: Callable[[str], bool] | None = None) -> Catalog:
     """Recover interrupted replacements, collect staging leftovers and orphans, repair ``latest``.
 
-    Returns the catalog as it is afterwards. Each step that fails on the
+    ``keep``: staging names in use (see :func:`collect_abandoned_staging`). Returns the catalog as
+    it is afterwards. Each step that fails on the
     filesystem (an unwritable ``.trash``, a full disk) is warned about and left
     for the next start: collecting leftovers never keeps a job from training.
     """
@@ -44,7 +45,7 @@ def take_root(layout: Layout, lock: Lock) -> Catalog:
     with _or_warn(layout, "recovering an interrupted replacement"):
         recover_interrupted_replacements(layout, lock)
     with _or_warn(layout, "collecting interrupted saves"):
-        abandoned = collect_abandoned_staging(layout, lock)
+        abandoned = collect_abandoned_staging(layout, lock, keep=keep)
         if abandoned:
             logger.info("safeckpt: collecting %d interrupted save(s) from %s", len(abandoned), layout.root)
     catalog = scan(layout.root)
