@@ -502,10 +502,12 @@ def test_a_holder_whose_lease_ran_out_writes_nothing_more_under_it(s3_bucket) ->
         assert stalled.wait(10)
         taker = LeaseLock(other, key, url="taker", timeout=10, lease=1.5)
         taker.acquire()  # the lease ran out: taken over
-        with pytest.raises(LockTimeoutError, match="lost the lock"):
-            store.write_pointer("latest", "step_2")
-        with pytest.raises(LockTimeoutError, match="lost the lock"):
-            store.remove("latest")
-        store.client.put_over = real_put_over  # type: ignore[method-assign]
-        taker.release()
+        try:
+            with pytest.raises(LockTimeoutError, match="lost the lock"):
+                store.write_pointer("latest", "step_2")
+            with pytest.raises(LockTimeoutError, match="lost the lock"):
+                store.remove("latest")
+        finally:  # a failure here must not leave the taker renewing beside later tests
+            store.client.put_over = real_put_over  # type: ignore[method-assign]
+            taker.release()
     assert open_store(url).read_pointer("latest") == "step_1"

@@ -58,6 +58,12 @@ _leases: dict[tuple[str, str], _Lease] = {}
 _leases_guard = threading.Lock()
 
 
+# An object's age is the server's Date less its Last-Modified, both in whole seconds: it can read
+# up to a second more than it is, so a takeover waits that much longer than the lease. Otherwise
+# it could come before the holder's own clock says its lease ran out, and both would write.
+_DATE_RESOLUTION = 1.0
+
+
 def check_held(client: Client, key: str) -> None:
     """Before a write under the lease of ``key``: raise :class:`LockTimeoutError` if this thread
     holds it but it may have run out (renewals failed for too long) or was taken over. A thread
@@ -180,7 +186,7 @@ class LeaseLock:
             lease = float(json.loads(got.data).get("lease", state.lease))
         except (ValueError, AttributeError):
             lease = state.lease
-        if got.age <= lease:
+        if got.age <= lease + _DATE_RESOLUTION:
             return False
         started = time.monotonic()
         try:
