@@ -94,6 +94,21 @@ def tiers_save(rank: int, ws: int, url: str, options: dict[str, Any], *, local_d
     return {"weights": _local(model), "latest": latest}
 
 
+def _two_durable_steps(
+    model: nn.Module, optim: Any, rank: int, url: str, options: dict[str, Any], local_dir: str
+) -> CheckpointManager:
+    """A sync manager with two tiers (``local_dir``'s ``{rank}`` formatted), steps 1 and 2 saved
+    and made durable: where the scenarios that die at step 3 start."""
+    mgr = CheckpointManager(
+        url, local_dir=local_dir.format(rank=rank), async_save=False, storage_options=options
+    )
+    for step in (1, 2):
+        _train(model, optim, rank, 1)
+        mgr.save(step, {"model": model, "optim": optim})
+    mgr.wait(durable=True)
+    return mgr
+
+
 def tiers_save_no_upload(
     rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str
 ) -> Any:
@@ -112,13 +127,7 @@ def tiers_save_no_upload(
 
     uploads.Uploader._upload = upload  # type: ignore[method-assign]
     model, optim = _model(ws)
-    mgr = CheckpointManager(
-        url, local_dir=local_dir.format(rank=rank), async_save=False, storage_options=options
-    )
-    for step in (1, 2):
-        _train(model, optim, rank, 1)
-        mgr.save(step, {"model": model, "optim": optim})
-    mgr.wait(durable=True)
+    mgr = _two_durable_steps(model, optim, rank, url, options, local_dir)
     _train(model, optim, rank, 1)
     mgr.save(3, {"model": model, "optim": optim})
     result = {"weights": _local(model), "latest": mgr.latest_step}
@@ -174,13 +183,7 @@ def tiers_die_at(
 
         durable.copy_checkpoint = copy
     model, optim = _model(ws)
-    mgr = CheckpointManager(
-        url, local_dir=local_dir.format(rank=rank), async_save=False, storage_options=options
-    )
-    for step in (1, 2):
-        _train(model, optim, rank, 1)
-        mgr.save(step, {"model": model, "optim": optim})
-    mgr.wait(durable=True)
+    mgr = _two_durable_steps(model, optim, rank, url, options, local_dir)
     result["weights_2"] = _local(model)
     _train(model, optim, rank, 1)
     try:

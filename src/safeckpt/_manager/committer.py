@@ -330,7 +330,8 @@ class Committer:
             logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
 
     def _commit(self, job: SaveJob, checksums: Mapping[str, Any], *, part: Mapping[str, Any] | None) -> None:
-        """Rank 0, under the sidecar lock: record, then the rename into place, then ``latest``.
+        """Rank 0 (each node's leader, for its part), under the sidecar lock: record, then the
+        rename into place, then ``latest``.
 
         The rename of the complete directory (record included) to ``step_<N>`` is
         the one commit point: from then on the save is committed, whatever

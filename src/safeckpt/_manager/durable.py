@@ -51,8 +51,9 @@ from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
 
-# Reading a local copy raises these when it cannot be uploaded at all (see .uploads).
-_LOCAL_COPY_BAD = (
+# What reading a local copy raises when it cannot be uploaded at all (the durable side raises
+# OSError, or RootInUseError / RootNotWritableError, which are worth trying again).
+LOCAL_COPY_BAD = (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
@@ -136,10 +137,7 @@ class DurableTier:
             self._discard(staging)
             raise
         committed = self._commit(staging, record, source)
-        try:
-            self._pruner.prune()
-        except Exception as e:  # pruning after a commit never fails it; the next upload retries
-            logger.warning("safeckpt: after uploading step %d: %s", record.step, e)
+        self._prune_after(record.step)
         return committed
 
     def _upload_part(
@@ -153,7 +151,7 @@ class DurableTier:
         if not has_marker(area, record) and (area / RECORD_NAME).entry() is None:
             try:
                 copy_checkpoint(source, record, area, should_stop=should_stop)
-            except _LOCAL_COPY_BAD as e:
+            except LOCAL_COPY_BAD as e:
                 put_marker(area, record, lost=str(e))  # rank 0 drops the save, not waits for it
                 raise
             put_marker(area, record)
@@ -166,11 +164,14 @@ class DurableTier:
             self._discard(area)  # a node's part is lost: the others see the area go
             raise
         committed = self._commit(area, whole, source, parts_of=record)
+        self._prune_after(record.step)
+        return committed
+
+    def _prune_after(self, step: int) -> None:
         try:
             self._pruner.prune()
         except Exception as e:  # pruning after a commit never fails it; the next upload retries
-            logger.warning("safeckpt: after uploading step %d: %s", record.step, e)
-        return committed
+            logger.warning("safeckpt: after uploading step %d: %s", step, e)
 
     def _commit(
         self, staging: Loc, record: Record, source: Loc, *, parts_of: Record | None = None

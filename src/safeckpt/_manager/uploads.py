@@ -29,12 +29,9 @@ from .._store.base import Lock
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
     SaveFailedError,
-    UnsafeCheckpointError,
 )
-from .durable import DurableTier
+from .durable import LOCAL_COPY_BAD, DurableTier
 from .leader_wait import Heartbeat
 from .node_parts import PartsNotIn
 from .saves import Committed, SaveView
@@ -43,14 +40,6 @@ logger = logging.getLogger("safeckpt.manager")
 
 _MAX_PAUSE = 30.0  # between tries while the durable tier cannot be reached
 _BACKLOG_WARNING = 3  # local commits waiting before the warning says the backlog grows
-# What reading the local copy raises when it cannot be uploaded at all (the durable side raises
-# OSError, or RootInUseError / RootNotWritableError, which are worth trying again).
-_LOCAL_COPY_BAD = (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    UnsafeCheckpointError,
-    CheckpointNotFoundError,
-)
 
 
 class Uploader:
@@ -285,7 +274,7 @@ class Uploader:
         try:
             try:
                 self._upload(head)
-            except _LOCAL_COPY_BAD as e:
+            except LOCAL_COPY_BAD as e:
                 self._drop(head, e)
             except PartsNotIn:
                 raise  # still first in line: tried again at once

@@ -1,0 +1,86 @@
+"""The pieces of a local tier on each node's disk, in one process: which ranks form a node, and how
+rank 0 and the other nodes' leaders read the markers in a save's upload area."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from safeckpt._format.checksums import FileChecksum
+from safeckpt._format.layout import Layout
+from safeckpt._format.record import Record
+from safeckpt._manager import node_parts
+from safeckpt._manager.nodes import Nodes, _grouped
+from safeckpt._store.loc import as_root
+from safeckpt.errors import ConfigError, IncompleteCheckpointError
+
+
+def test_ranks_that_see_each_others_probes_form_a_node_led_by_the_lowest() -> None:
+    sees = [[True, False, True], [False, True, False], [True, False, True]]
+    assert _grouped(sees, "/local") == Nodes((0, 1, 0), (0, 1))
+
+
+def test_a_directory_some_ranks_of_a_node_share_and_others_do_not_is_a_config_error() -> None:
+    # Rank 1 sees ranks 0 and 2; rank 0 does not see rank 2: no consistent node.
+    sees = [[True, True, False], [True, True, True], [False, True, True]]
+    with pytest.raises(ConfigError, match="shared by some ranks of a node and not by others"):
+        _grouped(sees, "/local")
+
+
+def _part(node: int, files: dict[str, int]) -> Record:
+    return Record(
+        step=3,
+        time=1.0,
+        files=files,
+        checksums={n: FileChecksum.whole(b"x" * size).to_json() for n, size in files.items()},
+        seq=1,
+        part={"id": "step_3.0123456789ab", "node": node, "nodes": 2},
+    )
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    return Layout(as_root(tmp_path / "root"))
+
+
+def test_rank_0_commits_the_union_of_every_nodes_part_once_each_marker_is_in(layout: Layout) -> None:
+    mine, theirs = _part(0, {"a": 1}), _part(1, {"b": 2})
+    area = node_parts.area_of(layout, mine, "abcdef")
+    assert node_parts.of_run(area.name, "abcdef") and not node_parts.of_run(area.name, "fedcba")
+    area.store.make_dir(area.key)
+    node_parts.put_marker(area, mine)
+    node_parts.put_marker(area, theirs)
+    whole = node_parts.whole_record(area, mine, should_stop=None)
+    assert dict(whole.files) == {"a": 1, "b": 2} and whole.part is None
+    assert set(whole.checksums or {}) == {"a", "b"}
+
+
+def test_a_part_still_missing_is_tried_again_and_a_lost_one_drops_the_save(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_parts, "_WAIT_PER_TRY", 0.3)
+    mine = _part(0, {"a": 1})
+    area = node_parts.area_of(layout, mine, "abcdef")
+    area.store.make_dir(area.key)
+    node_parts.put_marker(area, mine)
+    with pytest.raises(node_parts.PartsNotIn, match=r"node\(s\) \[1\]"):
+        node_parts.whole_record(area, mine, should_stop=None)
+    node_parts.put_marker(area, _part(1, {"b": 2}), lost="its bytes fail their checksums")
+    with pytest.raises(IncompleteCheckpointError, match=r"node\(s\) 1 cannot be uploaded"):
+        node_parts.whole_record(area, mine, should_stop=None)
+
+
+def test_another_nodes_leader_waits_for_the_commit_and_drops_a_save_whose_area_went(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_parts, "_WAIT_PER_TRY", 0.3)
+    theirs = _part(1, {"b": 2})
+    area = node_parts.area_of(layout, theirs, "abcdef")
+    area.store.make_dir(area.key)
+    node_parts.put_marker(area, theirs)
+    with pytest.raises(node_parts.PartsNotIn, match="not committed"):  # rank 0 has not committed yet
+        node_parts.wait_committed(layout, area, theirs, should_stop=None)
+    area.store.remove((area / ".part-1").key)  # rank 0 dropped the save: its area is gone
+    with pytest.raises(IncompleteCheckpointError, match="another node's part of it could not be uploaded"):
+        node_parts.wait_committed(layout, area, theirs, should_stop=None)
