@@ -20,7 +20,12 @@ from torch import nn
 
 from safeckpt import CheckpointManager, Retention
 from safeckpt._s3 import client as s3_client
+from safeckpt._s3 import lease as s3_lease
 from safeckpt.errors import CheckpointError
+
+# A rank killed while holding an S3 root's lease makes the next start wait for it to expire: the
+# lease this process writes (and its successor honours) is short, so a kill costs seconds, not 30.
+s3_lease.LEASE_SECONDS = 4.0
 
 
 def _model(ws: int) -> tuple[nn.Module, torch.optim.Optimizer]:
