@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from .._format.checksums import crc32
-from .._fs.direct_read import ALIGN, DirectFileReader, Staged
+from .._fs.direct_read import ALIGN, DirectFileReader
 from .torchsave.reader import _ArchiveShape, preadv_exact
 from .torchsave.writer import _bytes_of
 
@@ -107,8 +107,8 @@ class ReadAhead:
     (:func:`windows`), whatever the archives' sizes: every request but a
     batch's last is a full 16 MiB, where reading archive by archive gave 8 MiB
     on average and streamed a large tensor one read at a time. The reads run
-    on the pool's threads; :meth:`next` copies each window into place on the
-    caller's thread while the next ones read. At most ``direct.buffers``
+    on the pool's threads, and each thread copies its window into place
+    (:func:`_read_in_place`) while the caller checks what came before. At most ``direct.buffers``
     windows are read or staged at once, so that no read waits for a buffer a
     later window holds.
     """
@@ -151,14 +151,8 @@ class ReadAhead:
         for window in batch.windows:
             self._submit()
             assert window.reading is not None  # every window before it is done: it was submitted
-            staged = window.reading.result()
-            if staged is None:
+            if not window.reading.result():
                 refused = True  # O_DIRECT refused at the first read: the whole batch is read again
-            else:
-                try:
-                    staged.copy_into(window.targets)
-                finally:
-                    staged.release()
             self._in_flight -= 1
         self._submit()
         if refused:
@@ -169,8 +163,22 @@ class ReadAhead:
         direct = self._direct
         while direct is not None and self._waiting and self._in_flight < direct.buffers:
             window = self._waiting.popleft()
-            window.reading = self._pool.submit(direct.read, window.offset, window.length)
+            window.reading = self._pool.submit(_read_in_place, direct, window)
             self._in_flight += 1
+
+
+def _read_in_place(direct: DirectFileReader, window: _Window) -> bool:
+    """Read ``window`` direct and copy it into its places, on a reading thread: the copy releases the
+    GIL, so it runs beside the caller's checks of the batch before instead of after them. False:
+    the filesystem refused ``O_DIRECT`` (nothing was copied)."""
+    staged = direct.read(window.offset, window.length)
+    if staged is None:
+        return False
+    try:
+        staged.copy_into(window.targets)
+    finally:
+        staged.release()
+    return True
 
 
 @dataclass
@@ -180,7 +188,7 @@ class _Window:
     offset: int
     length: int
     targets: list[memoryview]
-    reading: Future[Staged | None] | None = None
+    reading: Future[bool] | None = None  # True once read and copied into place
 
 
 @dataclass
