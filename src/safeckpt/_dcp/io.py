@@ -18,7 +18,7 @@ import pickle
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from .._format.checksums import FileChecksum
@@ -167,12 +168,24 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
         if index is None or index.offset != chunks[0].offsets:
             return None  # .metadata lacks the chunk's key: DCP plans it, and raises its own error
         zeros = index.offset
-        items.append(ReadItem(tensor_type, index, zeros, index, zeros, size))
+        items.append(_WholeRead(tensor_type, index, zeros, index, zeros, size))
         infos.append(info)
     return LoadPlan(items, storage_data=infos)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _WholeRead(NamedTuple):
+    """An item of :func:`_whole_tensor_plan`: the fields of DCP's ``ReadItem``, in its order, made as
+    a tuple (a frozen dataclass sets each field with a Python call, 10,000 items times six)."""
+
+    type: LoadItemType
+    dest_index: MetadataIndex
+    dest_offsets: torch.Size
+    storage_index: MetadataIndex
+    storage_offsets: torch.Size
+    lengths: torch.Size
 
 
 def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
