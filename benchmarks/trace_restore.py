@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/trace_restore.py                    # 10,000 small tensors, 6 restores
     .venv/bin/python benchmarks/trace_restore.py --phases           # and where each one's time went
     .venv/bin/python benchmarks/trace_restore.py --state nested --phases   # {"model": sd, "optim": osd}
+    .venv/bin/python benchmarks/trace_restore.py --load-file --restores 15  # paired with load_file
     PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/trace_restore.py
 
 Saves the state with an async manager (``small``: 10,000 tensors of 4 KiB,
@@ -12,7 +13,9 @@ in place with the page cache evicted before each restore, and prints every
 time and the median. ``small`` restores into fresh tensors; the others into
 the live model and optimizer, as ``bench_state`` does. Run it alternately
 against two checkouts (``PYTHONPATH``) to compare them on the same machine
-state. ``--phases`` also times the restore's steps (by wrapping the functions
+state. ``--load-file`` (``small`` only) also times, before or after each restore in turns,
+``safetensors.load_file`` of the same tensors in one file, evicted the same way, and prints each
+restore's ratio to the load beside it. ``--phases`` also times the restore's steps (by wrapping the functions
 that run them; nested steps are inside their callers' times) and prints each
 one's median over the restores.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import shutil
 import statistics
 import sys
@@ -35,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import safeckpt
-from bench_common import evict_all, wrap
+from bench_common import evict, evict_all, wrap
 from bench_state import GIB, variants
 from safeckpt import CheckpointManager, Retention
 
@@ -94,13 +98,35 @@ def state_maker(name: str, size_gib: float) -> tuple[Callable[[], Any], Callable
     }
 
 
+def _load_file_peer(state: Any, work: Path) -> Callable[[], float]:
+    """A cold ``safetensors.load_file`` of ``state``'s tensors, saved once into one file: its time."""
+    from safetensors.torch import load_file, save_file
+
+    path = work / "peer.safetensors"
+    save_file({f"small.layers.{k}": v for k, v in state["small"]["layers"].items()}, str(path))
+
+    def load() -> float:
+        evict(path)
+        gc.collect()
+        start = time.perf_counter()
+        loaded = load_file(str(path))
+        seconds = time.perf_counter() - start
+        del loaded
+        return seconds
+
+    return load
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--restores", type=int, default=6)
     parser.add_argument("--phases", action="store_true", help="also time the restore's steps")
     parser.add_argument("--state", choices=list(STATES), default="small")
     parser.add_argument("--size-gib", type=float, default=0.5, help="model + AdamW (nested, stateful)")
+    parser.add_argument("--load-file", action="store_true", help="pair each restore with load_file")
     args = parser.parse_args(argv)
+    if args.load_file and args.state != "small":
+        parser.error("--load-file pairs the small state's restores only")
     make_saved, make_target = state_maker(args.state, args.size_gib)
     spent = time_phases() if args.phases else {}
     root = Path(tempfile.mkdtemp(prefix="safeckpt-restore-")) / "ckpt"
@@ -109,21 +135,35 @@ def main(argv: list[str] | None = None) -> int:
             for step in range(4):  # warm: the walk's cache, the staging buffers, the plans
                 mgr.save(step, make_saved())
                 mgr.wait()
-            times = []
+            peer = _load_file_peer(make_saved(), root.parent) if args.load_file else None
+            times, peers = [], []
             phases: dict[str, list[float]] = collections.defaultdict(list)
-            for _ in range(args.restores):
+            for i in range(args.restores):
+                if peer is not None and i % 2:
+                    peers.append(peer())
                 spent.clear()
                 target = make_target()
                 evict_all(root)
+                gc.collect()
                 start = time.perf_counter()
                 mgr.restore(target)
                 times.append(time.perf_counter() - start)
                 for label, seconds in spent.items():
                     phases[label].append(seconds)
+                del target
+                if peer is not None and not i % 2:
+                    peers.append(peer())
         print(
             f"{Path(safeckpt.__file__).parent}: restores (ms) {[round(t * 1e3) for t in times]}, "
             f"median {statistics.median(times) * 1e3:.0f} ms"
         )
+        if peers:
+            ratios = sorted(t / p for t, p in zip(times, peers, strict=True))
+            print(
+                f"  load_file (ms) {[round(t * 1e3) for t in peers]}, median "
+                f"{statistics.median(peers) * 1e3:.0f} ms; each restore over the load beside it: median "
+                f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+            )
         for _, _, _, label in PHASES:
             if label in phases:  # the median over restores of each one's time in it
                 print(f"  {label:40s} {statistics.median(phases[label]) * 1e3:7.1f} ms")
