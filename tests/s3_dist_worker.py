@@ -200,6 +200,38 @@ def tiers_die_at(
     finish()
 
 
+def tiers_commit_fails(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Steps 1 and 2 made durable; node 1's leader fails its local commit of step 3 (a full disk)
+    after node 0 committed its part: the save fails on both ranks, and step 4 then goes up."""
+    import errno
+
+    from safeckpt._manager import committer
+
+    if rank == 1:
+        real_commit = committer.Committer._commit
+
+        def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+            if job.step == 3:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real_commit(self, job, checksums, **kwargs)
+
+        committer.Committer._commit = commit  # type: ignore[method-assign]
+    model, optim = _model(ws)
+    mgr = _two_durable_steps(model, optim, rank, url, options, local_dir)
+    with mgr:
+        _train(model, optim, rank, 1)
+        try:
+            mgr.save(3, {"model": model, "optim": optim})
+            failed = None
+        except CheckpointError as e:
+            failed = type(e).__name__
+        local = sorted(p.name for p in Path(local_dir.format(rank=rank)).glob("step_*"))
+        _train(model, optim, rank, 1)
+        mgr.save(4, {"model": model, "optim": optim})
+        mgr.wait(durable=True)
+        return {"failed": failed, "local_after_3": local, "weights": _local(model), "latest": mgr.latest_step}
+
+
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Saves while the durable tier refuses every write: they commit on each node and wait; once it
     is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
@@ -308,6 +340,7 @@ SCENARIOS = {
     "tiers_save_no_upload": tiers_save_no_upload,
     "tiers_die_at": tiers_die_at,
     "tiers_root_down": tiers_root_down,
+    "tiers_commit_fails": tiers_commit_fails,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

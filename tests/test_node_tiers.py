@@ -167,6 +167,26 @@ def test_a_process_killed_before_its_nodes_local_commit_leaves_a_part_that_is_ne
     assert any("not every node holds its part" in m for m in restored[0]["said"]), restored[0]["said"]
 
 
+def test_a_save_one_node_fails_to_commit_fails_everywhere_and_the_other_nodes_part_is_withdrawn(
+    s3_bucket, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # Node 1's local commit of step 3 fails (a full disk) after node 0 committed its part: the save
+    # fails on both ranks, node 0's part goes to its trash (alone it is no checkpoint, and never goes
+    # up), and the next save commits and goes up as usual.
+    url, options = s3_bucket.url("ranks/commit-fails"), s3_bucket.storage_options
+    nodes = str(tmp_path / "node{rank}")
+    saved = _launch("tiers_commit_fails", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [s["failed"] for s in saved] == ["SaveFailedError", "SaveFailedError"], saved
+    assert [s["local_after_3"] for s in saved] == [["step_1", "step_2"], ["step_1", "step_2"]], saved
+    assert [s["latest"] for s in saved] == [4, 4]
+    keys = set(s3_bucket.keys())  # every key of the bucket
+    assert {f"ranks/commit-fails/step_{s}/metadata.json" for s in (1, 2, 4)} <= keys
+    assert not [k for k in keys if k.startswith("ranks/commit-fails/step_3")]
+    restored = _launch("tiers_restore", url, tmp_path / "r", options=options, local_dir=nodes)
+    assert [r["step"] for r in restored] == [4, 4]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+
+
 def test_each_nodes_parts_wait_while_the_root_refuses_writes_and_go_up_once_it_is_back(
     s3_proxy, s3_bucket, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -40,6 +40,7 @@ from .._format.record import Record, list_files, read_record, write_record
 from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
+from .._root.withdraw import withdraw_checkpoint
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
 from .._store.base import FILE, Lock
@@ -323,7 +324,9 @@ class Committer:
         try:
             current = self._view.get(job.step)
             if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
-                self._trash_one(job.step)
+                assert self._lock is not None
+                withdraw_checkpoint(self._layout, self._lock, job.step)
+                self._view.forget(job.step)
                 if self._deleter is not None:
                     self._deleter.schedule()
         except Exception as e:

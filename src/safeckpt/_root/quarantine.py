@@ -20,13 +20,12 @@ import json
 import logging
 import time
 
-from .._format.catalog import scan
 from .._format.identity import Fate, fate_of
 from .._format.layout import DAMAGED_NOTE, Layout
 from .._format.record import Record
 from .._store.base import Lock
 from .._store.loc import Loc
-from .startup import repair_latest
+from .startup import point_latest_at_newest
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def move_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reaso
         note = {"step": record.step, "seq": record.seq, "time": time.time(), "reason": reason}
         with contextlib.suppress(OSError):  # the move is what matters; the note only explains it
             store.write_atomic((target / DAMAGED_NOTE).key, (json.dumps(note, indent=2) + "\n").encode())
-        _point_latest_at_newest(layout, lock)
+        point_latest_at_newest(layout, lock)
     logger.warning(
         "safeckpt: moved the unloadable step %d aside to %s: it is never loaded and no longer counts "
         "as the newest step. Inspect it there, or remove it with `safeckpt gc %s`.",
@@ -56,14 +55,3 @@ def move_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reaso
         layout.root,
     )
     return target
-
-
-def _point_latest_at_newest(layout: Layout, lock: Lock) -> None:
-    catalog = scan(layout.root)
-    if catalog.latest_step is not None:
-        repair_latest(catalog, lock)
-        return
-    if catalog.latest_name is not None:  # it named the step moved aside, the last one there was
-        with contextlib.suppress(FileNotFoundError):
-            layout.store.remove(layout.latest_path.key)
-        layout.store.sync(layout.root.key)

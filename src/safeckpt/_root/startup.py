@@ -99,6 +99,19 @@ def collect_orphans(catalog: Catalog, lock: Lock) -> list[Loc]:
     return removed
 
 
+def point_latest_at_newest(layout: Layout, lock: Lock) -> None:
+    """After a commit was taken out of the root (moved aside, withdrawn): ``latest`` names the newest
+    commit left, or is removed when none is left."""
+    catalog = scan(layout.root)
+    if catalog.latest_step is not None:
+        repair_latest(catalog, lock)
+        return
+    if catalog.latest_name is not None:  # it named the step taken out, the last one there was
+        with contextlib.suppress(FileNotFoundError):
+            layout.store.remove(layout.latest_path.key)
+        layout.store.sync(layout.root.key)
+
+
 def repair_latest(catalog: Catalog, lock: Lock) -> bool:
     """Point ``latest`` at the newest commit if it names anything else; whether it changed.
 
