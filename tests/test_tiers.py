@@ -348,6 +348,61 @@ def test_a_copy_saved_again_while_it_is_uploaded_is_dropped_not_retried(
     assert torch.equal(restored["w"], _state(55)["w"])
 
 
+def test_a_pin_keeps_the_durable_copy_too_and_unpinning_lets_both_tiers_prune_it(
+    durable: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    with CheckpointManager(
+        durable,
+        local_dir=local,
+        retention=Retention(keep_last=2),
+        local_retention=Retention(keep_last=1),
+        async_save=False,
+    ) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait(durable=True)
+        mgr.pin(1)  # uploaded already: its durable copy is pinned as well
+        for step in (2, 3):
+            mgr.save(step, _state(step))
+            mgr.wait(durable=True)
+        assert sorted(_committed(local)) == [1, 3]
+        mgr.pin(2)  # pruned locally: its durable copy alone is pinned
+        mgr.save(4, _state(4))
+        mgr.wait(durable=True)
+        kept = _committed(durable)
+        assert sorted(kept) == [1, 2, 3, 4] and kept[1].pinned and kept[2].pinned and not kept[4].pinned
+        mgr.unpin(1)
+        mgr.unpin(2)
+        assert sorted(_committed(durable)) == [3, 4] and sorted(_committed(local)) == [4]
+
+
+def test_a_pin_that_comes_while_its_step_goes_up_reaches_the_durable_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The upload read the local record before the pin; its mark afterwards pins the durable copy.
+    from safeckpt._manager import durable as durable_module
+
+    root, local = tmp_path / "durable", tmp_path / "local"
+    copy = durable_module.copy_checkpoint
+    managers: list[CheckpointManager] = []
+
+    def copy_then_pin(source: Any, record: Any, *args: Any, **kwargs: Any) -> Any:
+        done = copy(source, record, *args, **kwargs)
+        if record.step == 1:
+            managers[0].pin(1)  # on the upload thread, between its read of the record and its commit
+        return done
+
+    monkeypatch.setattr(durable_module, "copy_checkpoint", copy_then_pin)
+    keep = Retention(keep_last=1)
+    with CheckpointManager(root, local_dir=local, retention=keep, async_save=False) as mgr:
+        managers.append(mgr)
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+            mgr.wait(durable=True)
+    kept = _committed(root)
+    assert sorted(kept) == [1, 3] and kept[1].pinned
+
+
 def test_safeckpt_upload_refuses_one_nodes_parts_and_leaves_them(tmp_path: Path) -> None:
     # A part alone (a local tier on each node's disk) cannot be committed in the root: refused with
     # a ConfigError that says what uploads it, and nothing is touched.

@@ -21,7 +21,7 @@ from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, RECORD_NAME, REPLACED, Layout, step_dirname
-from .._format.record import Record, read_record, same_checkpoint, write_record
+from .._format.record import Record, amend_record, read_record, same_checkpoint, write_record
 from .._policy.retention import Policy, Retention, retention_json
 from .._root.copy import copy_checkpoint
 from .._root.removal import collect_abandoned_staging
@@ -232,6 +232,24 @@ class DurableTier:
         if self.session.deleter is not None:
             self.session.deleter.schedule()  # a replaced copy went to the trash
         return committed
+
+    def set_pinned(self, step: int, pinned: bool) -> bool:
+        """Rank 0: pin or unpin this root's commit of ``step`` (its record, under this root's lock);
+        whether this root has one. A step not uploaded yet takes its local record's pin up with it."""
+        if not self._is_leader:
+            return False  # only rank 0 holds this root; the other nodes' leaders only put parts here
+        self.session.ensure_writer(f"{'pin' if pinned else 'unpin'}({step})")
+        lock = self.session.lock
+        assert lock is not None
+        with lock:
+            entry = self.view.get(step)
+            if entry is None:
+                return False
+            if entry.record.pinned != pinned:
+                self.view.update(Committed(entry.path, amend_record(entry.path, lock, pinned=pinned)))
+        if not pinned:
+            self._prune_after(step)
+        return True
 
     def newest(self) -> Committed | None:
         """This root's most recent commit."""

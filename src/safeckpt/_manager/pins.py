@@ -3,7 +3,8 @@
 A pin is a flag in the checkpoint's record, amended under the sidecar lock by
 rank 0; a save still in flight takes the pin with it when it commits (the
 commit holds the same lock, so a pin never falls between the two). Unpinning
-lets retention decide again at once.
+lets retention decide again at once. With two tiers, the durable copy is
+pinned too (and a step only the durable tier still holds can be pinned there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .._format.record import amend_record
 from .._util.validate import validate_step
 from ..errors import CheckpointNotFoundError
 from .committer import Committer
+from .durable import DurableTier
 from .outcomes import Outcomes
 from .saves import Committed, SaveView
 from .session import RootSession
@@ -34,8 +36,10 @@ class Pins:
         session: RootSession,
         committer: Committer,
         outcomes: Outcomes,
+        durable: DurableTier | None = None,
     ) -> None:
         self.root = root
+        self._durable = durable  # two tiers: the durable copy is pinned too
         self._parts = parts
         self._view = view
         self._session = session
@@ -61,7 +65,10 @@ class Pins:
         with lock:  # the commit of this step holds it too: a pin never falls between
             entry = self._view.get(step)
             in_flight = self._view.pin_jobs(step, pinned)
-            if entry is None and not in_flight:
+            # Also under the local lock: an upload marks its local copy under it, and makes its
+            # durable copy's pin the local one's if a pin came while it went up.
+            durable = self._durable is not None and self._durable.set_pinned(step, pinned)
+            if entry is None and not in_flight and not durable:
                 raise CheckpointNotFoundError(
                     f"there is no checkpoint of step {step} in {self.root} to "
                     f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",

@@ -357,6 +357,8 @@ class Uploader:
             current = read_record(local.path)
             if current is None or current.seq != local.record.seq:
                 return  # saved again since: the newer copy is in line
+            if current.pinned != durable.record.pinned:  # pinned or unpinned while it went up
+                self._durable.set_pinned(current.step, current.pinned)
             marked = amend_record(
                 local.path, self._local_lock, uploaded={"at": time.time(), "to": str(durable.path.where)}
             )

@@ -179,7 +179,15 @@ def wire(
         durable=durable.layout if durable is not None else None,
         local_reads=nodes.count == 1,
     )
-    pins = Pins(root, parts=parts, view=view, session=session, committer=committer, outcomes=outcomes)
+    pins = Pins(
+        root,
+        parts=parts,
+        view=view,
+        session=session,
+        committer=committer,
+        outcomes=outcomes,
+        durable=durable if uploader is not None else None,  # where rank 0 holds both tiers
+    )
     saver = Saver(
         root,
         token=token,
