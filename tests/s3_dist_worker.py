@@ -205,6 +205,7 @@ def tiers_commit_fails(rank: int, ws: int, url: str, options: dict[str, Any], *,
     after node 0 committed its part: the save fails on both ranks, and step 4 then goes up."""
     import errno
 
+    from safeckpt._fs.atomic import read_pointer
     from safeckpt._manager import committer
 
     if rank == 1:
@@ -224,12 +225,21 @@ def tiers_commit_fails(rank: int, ws: int, url: str, options: dict[str, Any], *,
             mgr.save(3, {"model": model, "optim": optim})
             failed = None
         except CheckpointError as e:
-            failed = type(e).__name__
+            failed = [type(e).__name__, str(e)]
         local = sorted(p.name for p in Path(local_dir.format(rank=rank)).glob("step_*"))
+        latest_after_3 = mgr.latest_step
+        pointer_after_3 = read_pointer(Path(local_dir.format(rank=rank)) / "latest")
         _train(model, optim, rank, 1)
         mgr.save(4, {"model": model, "optim": optim})
         mgr.wait(durable=True)
-        return {"failed": failed, "local_after_3": local, "weights": _local(model), "latest": mgr.latest_step}
+        return {
+            "failed": failed,
+            "local_after_3": local,
+            "latest_after_3": latest_after_3,
+            "pointer_after_3": pointer_after_3,
+            "weights": _local(model),
+            "latest": mgr.latest_step,
+        }
 
 
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:

@@ -176,8 +176,11 @@ def test_a_save_one_node_fails_to_commit_fails_everywhere_and_the_other_nodes_pa
     url, options = s3_bucket.url("ranks/commit-fails"), s3_bucket.storage_options
     nodes = str(tmp_path / "node{rank}")
     saved = _launch("tiers_commit_fails", url, tmp_path / "r", options=options, local_dir=nodes)
-    assert [s["failed"] for s in saved] == ["SaveFailedError", "SaveFailedError"], saved
+    assert [s["failed"][0] for s in saved] == ["SaveFailedError", "SaveFailedError"], saved
+    assert "still names step 2" in saved[0]["failed"][1], saved[0]["failed"]
     assert [s["local_after_3"] for s in saved] == [["step_1", "step_2"], ["step_1", "step_2"]], saved
+    assert [s["latest_after_3"] for s in saved] == [2, 2]
+    assert [s["pointer_after_3"] for s in saved] == ["step_2", "step_2"]  # on each node's disk
     assert [s["latest"] for s in saved] == [4, 4]
     keys = set(s3_bucket.keys())  # every key of the bucket
     assert {f"ranks/commit-fails/step_{s}/metadata.json" for s in (1, 2, 4)} <= keys

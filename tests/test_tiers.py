@@ -403,6 +403,33 @@ def test_a_pin_that_comes_while_its_step_goes_up_reaches_the_durable_copy(
     assert sorted(kept) == [1, 3] and kept[1].pinned
 
 
+def test_a_pin_the_durable_root_refuses_pins_the_local_copy_and_says_what_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from safeckpt._manager import durable as durable_module
+    from safeckpt.errors import CheckpointError
+
+    root, local = tmp_path / "durable", tmp_path / "local"
+    real_amend = durable_module.amend_record
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    with CheckpointManager(root, local_dir=local, async_save=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait(durable=True)
+        monkeypatch.setattr(durable_module, "amend_record", refused)
+        said = r"step 1 is pinned in .*its durable copy in .* could not be pinned"
+        with pytest.raises(CheckpointError, match=said):
+            mgr.pin(1)
+        assert _committed(local)[1].pinned and not _committed(root)[1].pinned
+        monkeypatch.setattr(durable_module, "amend_record", real_amend)
+        mgr.pin(1)  # again, once the root can be written
+    assert _committed(root)[1].pinned
+
+
 def test_safeckpt_upload_refuses_one_nodes_parts_and_leaves_them(tmp_path: Path) -> None:
     # A part alone (a local tier on each node's disk) cannot be committed in the root: refused with
     # a ConfigError that says what uploads it, and nothing is touched.

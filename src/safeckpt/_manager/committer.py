@@ -326,7 +326,7 @@ class Committer:
             if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
                 assert self._lock is not None
                 withdraw_checkpoint(self._layout, self._lock, job.step)
-                self._view.forget(job.step)
+                self._view.drop([job.step])
                 if self._deleter is not None:
                     self._deleter.schedule()
         except Exception as e:

@@ -61,4 +61,4 @@ class DamagedCommits:
             moved.append(step)
         for step in moved:
             del self._noted[step]
-        self._view.drop_unloadable(moved)
+        self._view.drop(moved)

@@ -14,7 +14,7 @@ from pathlib import Path
 from .._dist.participants import Participants
 from .._format.record import amend_record
 from .._util.validate import validate_step
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from .committer import Committer
 from .durable import DurableTier
 from .outcomes import Outcomes
@@ -59,24 +59,53 @@ class Pins:
         self._outcomes.share_view(self._parts.control, what=what)
 
     def _set_pinned_here(self, step: int, pinned: bool) -> None:
-        self._session.ensure_writer(f"{'pin' if pinned else 'unpin'}({step})")
+        verb = "pin" if pinned else "unpin"
+        self._session.ensure_writer(f"{verb}({step})")
         lock = self._session.lock
         assert lock is not None
         with lock:  # the commit of this step holds it too: a pin never falls between
             entry = self._view.get(step)
             in_flight = self._view.pin_jobs(step, pinned)
-            # Also under the local lock: an upload marks its local copy under it, and makes its
-            # durable copy's pin the local one's if a pin came while it went up.
-            durable = self._durable is not None and self._durable.set_pinned(step, pinned)
-            if entry is None and not in_flight and not durable:
-                raise CheckpointNotFoundError(
-                    f"there is no checkpoint of step {step} in {self.root} to "
-                    f"{'pin' if pinned else 'unpin'}; see mgr.checkpoints() for the saved steps.",
-                    step=step,
-                    path=str(self.root),
-                )
             if entry is not None:
-                record = amend_record(entry.path, lock, pinned=pinned)
+                try:
+                    record = amend_record(entry.path, lock, pinned=pinned)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"{verb}({step}): its record in {entry.path} could not be changed "
+                        f"({type(e).__name__}: {e}); nothing was changed. Check the disk and call "
+                        f"{verb}({step}) again.",
+                        step=step,
+                        path=str(entry.path),
+                    ) from e
                 self._view.update(Committed(entry.path, record))
+        # After the local copy, outside its lock (the durable root may be slow or down): an upload
+        # that read the local record before this pin makes the durable copy's pin the local one's
+        # when it marks that record, under the local lock.
+        durable = self._set_pinned_durable(step, pinned, here=entry is not None or in_flight)
+        if entry is None and not in_flight and not durable:
+            raise CheckpointNotFoundError(
+                f"there is no checkpoint of step {step} in {self.root} to {verb}; see "
+                "mgr.checkpoints() for the saved steps.",
+                step=step,
+                path=str(self.root),
+            )
         if not pinned:
             self._committer.prune()
+
+    def _set_pinned_durable(self, step: int, pinned: bool, *, here: bool) -> bool:
+        """The durable copy's pin (two tiers); whether the durable root has one. ``here``: the local
+        copy took the pin already (the error then says so)."""
+        if self._durable is None:
+            return False
+        try:
+            return self._durable.set_pinned(step, pinned)
+        except (CheckpointError, OSError) as e:
+            verb, done = ("pin", "pinned") if pinned else ("unpin", "unpinned")
+            local = f"step {step} is {done} in {self.root}, but " if here else ""
+            raise CheckpointError(
+                f"{verb}({step}): {local}its durable copy in {self._durable.root} could not be "
+                f"{done} ({type(e).__name__}: {e}). Call {verb}({step}) again once "
+                f"{self._durable.root} can be written.",
+                step=step,
+                path=str(self._durable.root),
+            ) from e

@@ -173,9 +173,10 @@ class SaveView:
         with self._lock:
             self._committed.pop(step, None)
 
-    def drop_unloadable(self, steps: Iterable[int]) -> None:
-        """These committed steps left the root as unloadable (moved aside); ``latest`` becomes
-        the newest commit left, as the root's pointer does."""
+    def drop(self, steps: Iterable[int]) -> None:
+        """These committed steps left the root though ``latest`` could name them (moved aside as
+        unloadable, or withdrawn); ``latest`` becomes the newest commit left, as the root's
+        pointer does."""
         with self._lock:
             for step in steps:
                 self._committed.pop(step, None)
