@@ -242,6 +242,55 @@ def tiers_commit_fails(rank: int, ws: int, url: str, options: dict[str, Any], *,
         }
 
 
+def tiers_resave_fails(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Steps 1 and 2 made durable; step 2 saved again, and node 1's leader fails its local commit
+    of it after node 0 committed its part: node 0 puts back the copy of step 2 its part replaced.
+    Then step 2 is saved once more, on every node."""
+    import errno
+
+    from safeckpt._manager import committer
+
+    if rank == 1:
+        real_commit = committer.Committer._commit
+        commits = []
+
+        def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+            commits.append(job.step)
+            if commits.count(2) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real_commit(self, job, checksums, **kwargs)
+
+        committer.Committer._commit = commit  # type: ignore[method-assign]
+    model, optim = _model(ws)
+    local = Path(local_dir.format(rank=rank))
+    with _two_durable_steps(model, optim, rank, url, options, local_dir) as mgr:
+        seq_before = json.loads((local / "step_2" / "metadata.json").read_text())["seq"]
+        weights_2 = _local(model)
+        _train(model, optim, rank, 1)
+        try:
+            mgr.save(2, {"model": model, "optim": optim})
+            failed = None
+        except CheckpointError as e:
+            failed = type(e).__name__
+        step_2 = local / "step_2" / "metadata.json"
+        seq_after = json.loads(step_2.read_text())["seq"] if step_2.exists() else None
+        staging = sorted(p.name for p in (local / ".staging").iterdir())
+        latest = mgr.latest_step
+        mgr.save(2, {"model": model, "optim": optim})  # again, on every node: the old copy goes
+        mgr.wait(durable=True)
+        return {
+            "failed": failed,
+            "seq_before": seq_before,
+            "seq_after": seq_after,
+            "latest": latest,
+            "staging": staging,
+            "weights_2": weights_2,
+            "seq_resaved": json.loads(step_2.read_text())["seq"],
+            "staging_resaved": sorted(p.name for p in (local / ".staging").iterdir()),
+            "weights": _local(model),
+        }
+
+
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Saves while the durable tier refuses every write: they commit on each node and wait; once it
     is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
@@ -351,6 +400,7 @@ SCENARIOS = {
     "tiers_die_at": tiers_die_at,
     "tiers_root_down": tiers_root_down,
     "tiers_commit_fails": tiers_commit_fails,
+    "tiers_resave_fails": tiers_resave_fails,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

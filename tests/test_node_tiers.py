@@ -190,6 +190,25 @@ def test_a_save_one_node_fails_to_commit_fails_everywhere_and_the_other_nodes_pa
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
 
 
+def test_a_save_again_that_another_node_fails_puts_back_the_copy_its_part_replaced(
+    tmp_path: Path,
+) -> None:
+    # Step 2 saved again; node 1 fails its local commit after node 0's part replaced node 0's copy
+    # of step 2: that copy goes back into place (withdrawing the part alone would lose it there).
+    root, nodes = tmp_path / "shared", str(tmp_path / "node{rank}")
+    saved = _launch("tiers_resave_fails", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    assert [s["failed"] for s in saved] == ["SaveFailedError", "SaveFailedError"], saved
+    assert [s["seq_after"] for s in saved] == [s["seq_before"] for s in saved]  # the first copy
+    assert [s["latest"] for s in saved] == [2, 2]
+    assert [s["staging"] for s in saved] == [[], []]  # nothing held back, nothing left
+    # Saved once more, on every node: the new parts stand, and the old copies are gone.
+    assert all(s["seq_resaved"] > s["seq_before"] for s in saved)
+    assert [s["staging_resaved"] for s in saved] == [[], []]
+    restored = _launch("tiers_restore", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    assert [r["step"] for r in restored] == [2, 2]
+    assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+
+
 def test_each_nodes_parts_wait_while_the_root_refuses_writes_and_go_up_once_it_is_back(
     s3_proxy, s3_bucket, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -20,6 +20,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ class Committer:
                 self._withdraw(job)
             self._fail(job, failed, error)
             return
+        self._release_held(job)
         self._view.finish(job, COMMITTED)
         logger.info(
             "safeckpt: committed step %d in %.2f s (write %.2f s)",
@@ -320,17 +322,40 @@ class Committer:
 
     def _withdraw(self, job: SaveJob) -> None:
         """This node committed its part of ``job`` and another node failed to: the part goes to the
-        trash (alone it is no checkpoint, and is never uploaded). Logged, never raised."""
+        trash (alone it is no checkpoint, and is never uploaded), and the copy it replaced, if any,
+        back into its place. Logged, never raised."""
         try:
             current = self._view.get(job.step)
             if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
                 assert self._lock is not None
-                withdraw_checkpoint(self._layout, self._lock, job.step)
-                self._view.drop([job.step])
+                put_back = withdraw_checkpoint(self._layout, self._lock, job.step, held=job.held)
+                self._view.withdraw(job.step, job.held_entry if put_back else None)
                 if self._deleter is not None:
                     self._deleter.schedule()
         except Exception as e:
             logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
+
+    @staticmethod
+    def _hold(job: SaveJob, held: Loc | None, previous: Committed | None) -> bool:
+        """Whether the commit moved an old copy of its step to ``held`` (then the job keeps it)."""
+        if held is None or held.entry() is None:
+            return False
+        job.held, job.held_entry = held, previous
+        return True
+
+    def _release_held(self, job: SaveJob) -> None:
+        """Every node committed its part of ``job``: the copy it replaced goes to the trash."""
+        if job.held is None:
+            return
+        assert self._lock is not None
+        try:
+            with self._lock:
+                if job.held.entry() is not None:
+                    self._store.move(job.held.key, self._layout.new_trash_path(job.step, PRUNED).key)
+            if self._deleter is not None:
+                self._deleter.schedule()
+        except Exception as e:  # left in .staging: the next start collects it
+            logger.warning("safeckpt: could not remove the copy step %d replaced (%s)", job.step, e)
 
     def _commit(self, job: SaveJob, checksums: Mapping[str, Any], *, part: Mapping[str, Any] | None) -> None:
         """Rank 0 (each node's leader, for its part), under the sidecar lock: record, then the
@@ -360,6 +385,9 @@ class Committer:
         # DCP's own writer, every file) are computed from the files, still in the page cache.
         sums = {n: checksums.get(n) or checksum_file(job.staging_dir / n).to_json() for n in files}
         target = layout.step_dir(job.step)
+        # A node's part that replaces a commit of its step holds the old copy out of the trash
+        # until every node has committed its part: a save that fails on another node puts it back.
+        held = layout.staging_dir(job.step, uuid.uuid4().hex[:12]) if part is not None else None
         with self._lock:
             # Built under the lock: a pin() of this step either lands in the job first or finds
             # the committed checkpoint after (pin holds the same lock), never in between.
@@ -380,12 +408,13 @@ class Committer:
             )
             write_record(job.staging_dir, record, self._lock)
             self._store.make_dir(layout.trash.key)
+            previous = self._view.get(job.step)
             try:
                 replaced = self._store.commit_dir(
                     job.staging_dir.key,
                     target.key,
                     displaced=layout.new_trash_path(job.step, REPLACED).key,
-                    retired=layout.new_trash_path(job.step, PRUNED).key,
+                    retired=(held or layout.new_trash_path(job.step, PRUNED)).key,
                 )
             except BaseException as e:
                 # Cut short after its commit point (a failed fsync after the rename; on S3 an
@@ -393,13 +422,16 @@ class Committer:
                 # and its staging must not be discarded as a failed save's.
                 if not _holds(target, record):
                     raise
+                job.committed_here = True
+                self._hold(job, held, previous)
                 if not isinstance(e, OSError):
-                    job.committed_here = True
                     self._view.commit(Committed(target, record))
                     raise
                 logger.warning("safeckpt: step %d is in place, but syncing it failed", job.step)
                 replaced = False
             job.committed_here = True
+            if self._hold(job, held, previous):
+                replaced = False  # the old copy is held, not in the trash: see _release_held
             self._view.commit(Committed(target, record))
             try:
                 self._store.write_pointer(layout.latest_path.key, step_dirname(job.step))

@@ -53,6 +53,10 @@ class SaveJob(Flight):
     slot: StagingSlot | None = None
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # rank 0 committed it (set by the commit itself)
+    # A node's part that replaced a commit of its step: where the old copy is held (not in the trash,
+    # which the deleter empties) and its entry, until every node has committed its part.
+    held: Loc | None = None
+    held_entry: Committed | None = None
     submitted: float = field(default_factory=time.monotonic)
 
     @functools.cached_property
@@ -172,6 +176,17 @@ class SaveView:
     def forget(self, step: int) -> None:
         with self._lock:
             self._committed.pop(step, None)
+
+    def withdraw(self, step: int, previous: Committed | None) -> None:
+        """``step``'s newest commit was taken back (:func:`~safeckpt._root.withdraw.withdraw_checkpoint`),
+        and ``previous``, the commit it replaced, put back if there was one; ``latest`` becomes the
+        newest commit, as the root's pointer does."""
+        with self._lock:
+            self._committed.pop(step, None)
+            if previous is not None:
+                self._committed[step] = previous
+            newest = max(self._committed.values(), key=_commit_order, default=None)
+            self._latest = newest.record.step if newest is not None else None
 
     def drop(self, steps: Iterable[int]) -> None:
         """These committed steps left the root though ``latest`` could name them (moved aside as

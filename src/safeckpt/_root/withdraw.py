@@ -1,6 +1,7 @@
 """Taking back a commit that must not count: a node's part of a save that another node failed to
 commit. Alone it is no checkpoint, yet its commit moved ``latest`` to it; pruning refuses the step
-``latest`` names, so the part goes to the trash here, and ``latest`` back to the newest commit left."""
+``latest`` names, so the part goes to the trash here, the copy it replaced (if any) back into its
+place, and ``latest`` to the newest commit."""
 
 from __future__ import annotations
 
@@ -8,15 +9,27 @@ import contextlib
 
 from .._format.layout import PRUNED, Layout
 from .._store.base import Lock
+from .._store.loc import Loc
 from .startup import point_latest_at_newest
 
 
-def withdraw_checkpoint(layout: Layout, lock: Lock, step: int) -> None:
-    """Move ``step_<N>`` to the trash (the deleter removes it), then point ``latest`` at the newest
-    commit left. A crash between the two leaves ``latest`` naming a step that is gone: the next
-    start repairs it, as after any prune it catches."""
+def withdraw_checkpoint(layout: Layout, lock: Lock, step: int, *, held: Loc | None = None) -> bool:
+    """Move ``step_<N>`` to the trash (the deleter removes it); put ``held``, the copy it replaced,
+    back in its place; point ``latest`` at the newest commit. Whether ``held`` was put back.
+
+    A crash in between leaves ``latest`` naming a step that is gone, or the old copy in
+    ``.staging``: the next start repairs ``latest``, and collects the leftover with the others
+    (the old copy is then lost, as a save cut short by a crash loses the copy it replaced)."""
+    target = layout.step_dir(step)
+    put_back = False
     with lock:
-        layout.store.make_dir(layout.trash.key)
+        store = layout.store
+        store.make_dir(layout.trash.key)
         with contextlib.suppress(FileNotFoundError):  # gone already
-            layout.store.move(layout.step_dir(step).key, layout.new_trash_path(step, PRUNED).key)
+            store.move(target.key, layout.new_trash_path(step, PRUNED).key)
+        if held is not None and held.entry() is not None:
+            store.move(held.key, target.key)
+            store.sync(target.parent.key)
+            put_back = True
         point_latest_at_newest(layout, lock)
+    return put_back
