@@ -291,6 +291,38 @@ def tiers_resave_fails(rank: int, ws: int, url: str, options: dict[str, Any], *,
         }
 
 
+def tiers_full_disk(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
+    """Six saves, each made durable before the next, of a model whose shards take about 1.5 MiB a
+    rank with Adam's moments: node 1's ``local_dir`` is a small disk (the test's), which fills."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("safeckpt").addHandler(handler)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512))
+    mesh = init_device_mesh("cpu", (ws,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    local = Path(local_dir.format(rank=rank))
+    with CheckpointManager(
+        url, local_dir=local, local_retention=Retention(keep_last=10), storage_options=options
+    ) as mgr:
+        for step in range(1, 7):
+            _train(model, optim, rank, 1)
+            mgr.save(step, {"model": model, "optim": optim})
+            mgr.wait(durable=True)  # each one uploaded before the next: every older one may go
+        latest = mgr.latest_step
+    kept = sorted(int(p.name.split("_")[1]) for p in local.glob("step_*"))
+    return {"latest": latest, "kept": kept, "said": said}
+
+
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Saves while the durable tier refuses every write: they commit on each node and wait; once it
     is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
@@ -400,6 +432,7 @@ SCENARIOS = {
     "tiers_die_at": tiers_die_at,
     "tiers_root_down": tiers_root_down,
     "tiers_commit_fails": tiers_commit_fails,
+    "tiers_full_disk": tiers_full_disk,
     "tiers_resave_fails": tiers_resave_fails,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -207,6 +208,27 @@ def test_a_save_again_that_another_node_fails_puts_back_the_copy_its_part_replac
     restored = _launch("tiers_restore", str(root), tmp_path / "r", options={}, local_dir=nodes)
     assert [r["step"] for r in restored] == [2, 2]
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
+
+
+def test_a_nodes_full_local_disk_removes_its_oldest_uploaded_parts_first(tmp_path: Path) -> None:
+    # Node 1's local disk is a 4 MiB tmpfs, two of its parts at most; node 0's is large. Every save
+    # still commits and goes up: node 1 removes its oldest uploaded parts early, node 0 keeps all.
+    small = tmp_path / "node1"
+    small.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        root, nodes = tmp_path / "shared", str(tmp_path / "node{rank}")
+        saved = _launch("tiers_full_disk", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert [s["latest"] for s in saved] == [6, 6]
+    assert saved[0]["kept"] == [1, 2, 3, 4, 5, 6]
+    assert saved[1]["kept"][-1] == 6 and len(saved[1]["kept"]) < 6, saved[1]["kept"]
+    assert any("is full" in m for m in saved[1]["said"]), saved[1]["said"]
+    assert sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_each_nodes_parts_wait_while_the_root_refuses_writes_and_go_up_once_it_is_back(
