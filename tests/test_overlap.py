@@ -194,6 +194,37 @@ def test_without_the_hooks_the_same_steps_fail_the_save(
         assert mgr.latest_step is None
 
 
+@pytest.mark.parametrize("only", ["module hooks", "optimizer hooks"])
+def test_each_kind_of_hook_is_needed(
+    tmp_path: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch, only: str
+) -> None:
+    # With one kind of hook alone, the steps the BatchNorm test runs fail the save: the optimizer's
+    # step pre-hook guards its parameters and moments, the modules' forward pre-hooks their buffers.
+    real = overlap.OverlappedCopy.guard
+
+    def one_kind(self: overlap.OverlappedCopy) -> None:
+        groups = self._groups
+        wanted = only == "optimizer hooks"
+        self._groups = [g for g in groups if isinstance(g.owners[0], torch.optim.Optimizer) == wanted]
+        try:
+            real(self)
+        finally:
+            self._groups = groups
+
+    monkeypatch.setattr(overlap.OverlappedCopy, "guard", one_kind)
+    model = _mlp(bn=True)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    train = _steps(model, [optim])
+    _warm(train)
+    with CheckpointManager(tmp_path / "r", overlap_staging=True) as mgr:
+        mgr.save(1, {"model": model, "optim": optim})
+        train()
+        held.set()
+        with pytest.raises(SaveFailedError, match="changed in place after save"):
+            mgr.wait()
+        assert mgr.latest_step is None
+
+
 def test_a_tensor_changed_by_hand_before_its_copy_fails_that_save_and_loses_nothing(
     tmp_path: Path, held: threading.Event
 ) -> None:
