@@ -84,3 +84,37 @@ def test_another_nodes_leader_waits_for_the_commit_and_drops_a_save_whose_area_w
     area.store.remove((area / ".part-1").key)  # rank 0 dropped the save: its area is gone
     with pytest.raises(IncompleteCheckpointError, match="another node's part of it could not be uploaded"):
         node_parts.wait_committed(layout, area, theirs, should_stop=None)
+
+
+def test_rank_0_reads_each_marker_once_and_looks_less_often_while_a_part_is_missing(
+    layout: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each look is a request per marker on object storage: one already in is not read again, and
+    # the pauses between looks grow (0.2 s, 0.3 s, ... up to 2 s).
+    import itertools
+    import threading
+
+    monkeypatch.setattr(node_parts, "_POLL", 0.01)
+    monkeypatch.setattr(node_parts, "_POLL_MAX", 0.04)
+    mine, theirs = _part(0, {"a": 1}), _part(1, {"b": 2})
+    area = node_parts.area_of(layout, mine, "abcdef")
+    area.store.make_dir(area.key)
+    node_parts.put_marker(area, mine)
+    reads: list[str] = []
+    real = type(area.store).read_small
+
+    def counted(self, name, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(name.rpartition("/")[2])
+        return real(self, name, **kwargs)
+
+    monkeypatch.setattr(type(area.store), "read_small", counted)
+    later = threading.Timer(0.3, node_parts.put_marker, (area, theirs))
+    later.start()
+    try:
+        whole = node_parts.whole_record(area, mine, should_stop=None)
+    finally:
+        later.cancel()
+    assert dict(whole.files) == {"a": 1, "b": 2}
+    assert reads.count(".part-0") == 1
+    assert 2 <= reads.count(".part-1") <= 14  # 0.3 s: 30 looks at 0.01 s, about 10 as they grow
+    assert list(itertools.islice(node_parts._pauses(), 6)) == [0.01, 0.015, 0.0225, 0.03375, 0.04, 0.04]

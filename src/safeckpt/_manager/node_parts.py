@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .._format.layout import RECORD_NAME, Layout
@@ -29,7 +29,9 @@ from .._store.loc import Loc
 from ..errors import CheckpointError, IncompleteCheckpointError
 
 _MARKER = ".part-{node}"
-_POLL = 0.2  # s between looks for the other nodes' markers, or for rank 0's commit
+# s between looks for the other nodes' markers, or for rank 0's commit: short at first (the parts
+# go up side by side), then longer (each look is a request per missing node on object storage).
+_POLL, _POLL_MAX = 0.2, 2.0
 _WAIT_PER_TRY = 60.0  # s one try waits for them; then it counts as a failed try (retried)
 
 
@@ -70,8 +72,10 @@ def whole_record(area: Loc, record: Record, *, should_stop: Callable[[], bool] |
     :class:`IncompleteCheckpointError` when a node's part is lost."""
     nodes = int((record.part or {}).get("nodes", 1))
     deadline = time.monotonic() + _WAIT_PER_TRY
+    found: dict[int, dict[str, Any]] = {}  # a marker is written once: read once
+    pauses = _pauses()
     while True:
-        found = _markers(area, nodes)
+        found.update(_markers(area, [n for n in range(nodes) if n not in found]))
         lost = {n: m["lost"] for n, m in found.items() if "lost" in m}
         if lost:
             raise IncompleteCheckpointError(
@@ -84,7 +88,7 @@ def whole_record(area: Loc, record: Record, *, should_stop: Callable[[], bool] |
         if time.monotonic() > deadline or (should_stop is not None and should_stop()):
             missing = sorted(set(range(nodes)) - set(found))
             raise PartsNotIn(f"the parts of step {record.step} from node(s) {missing} are not uploaded yet")
-        time.sleep(_POLL)
+        time.sleep(next(pauses))
     files: dict[str, int] = {}
     checksums: dict[str, Any] = {}
     for marker in found.values():
@@ -122,6 +126,7 @@ def wait_committed(
     length). :class:`PartsNotIn` to be tried again; :class:`IncompleteCheckpointError` when the
     save was dropped (its area gone, not committed)."""
     deadline = time.monotonic() + _WAIT_PER_TRY
+    pauses = _pauses()
     while True:
         found = committed_part(layout, record)
         if found is not None:
@@ -135,12 +140,19 @@ def wait_committed(
             )
         if time.monotonic() > deadline or (should_stop is not None and should_stop()):
             raise PartsNotIn(f"step {record.step} is not committed in {layout.root} yet")
-        time.sleep(_POLL)
+        time.sleep(next(pauses))
 
 
-def _markers(area: Loc, nodes: int) -> Mapping[int, dict[str, Any]]:
+def _pauses() -> Iterator[float]:
+    pause = _POLL
+    while True:
+        yield pause
+        pause = min(pause * 1.5, _POLL_MAX)
+
+
+def _markers(area: Loc, nodes: Iterable[int]) -> Mapping[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
-    for node in range(nodes):
+    for node in nodes:
         marker = area / _MARKER.format(node=node)
         try:
             raw = marker.store.read_small(marker.key, limit=16 << 20, what="part marker")
