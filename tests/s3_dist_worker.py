@@ -323,6 +323,79 @@ def tiers_full_disk(rank: int, ws: int, url: str, options: dict[str, Any], *, lo
     return {"latest": latest, "kept": kept, "said": said}
 
 
+def tiers_resave_while_uploading(
+    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str
+) -> Any:
+    """Step 1 made durable, step 2 committed on both nodes and still going up, when step 2 is saved
+    again and node 1 fails its commit: rank 0's upload of the first copy is tried while node 0's
+    new part stands in its place (so it finds another copy there), then that copy is put back.
+    ``wait(durable=True)`` must still make the first copy of step 2 durable."""
+    import errno
+    import threading
+
+    from safeckpt._format.record import amend_record
+    from safeckpt._manager import committer, uploads
+    from safeckpt._manager.saves import Committed
+
+    resaving, tried = threading.Event(), threading.Event()
+    real_commit = committer.Committer._commit
+    commits: list[int] = []
+
+    def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+        commits.append(job.step)
+        if rank == 1 and commits.count(2) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        done = real_commit(self, job, checksums, **kwargs)
+        if rank == 0 and commits.count(2) == 2:
+            # A pin of step 2 meanwhile (what pin() does to the local copy): the copy put back takes it.
+            entry = self._view.get(2)
+            self._view.update(Committed(entry.path, amend_record(entry.path, self._lock, pinned=True)))
+            resaving.set()  # the new part stands in place: let the held upload try now
+            assert tried.wait(30)
+        return done
+
+    committer.Committer._commit = commit  # type: ignore[method-assign]
+    if rank == 0:
+        real_upload = uploads.Uploader._upload
+
+        def upload(self, local):  # type: ignore[no-untyped-def]
+            if local.record.step != 2 or tried.is_set():
+                return real_upload(self, local)
+            assert resaving.wait(30)
+            try:
+                return real_upload(self, local)
+            finally:
+                tried.set()
+
+        uploads.Uploader._upload = upload  # type: ignore[method-assign]
+    model, optim = _model(ws)
+    local = Path(local_dir.format(rank=rank))
+    with CheckpointManager(url, local_dir=local, async_save=False, storage_options=options) as mgr:
+        _train(model, optim, rank, 1)
+        mgr.save(1, {"model": model, "optim": optim})
+        mgr.wait(durable=True)
+        _train(model, optim, rank, 1)
+        mgr.save(2, {"model": model, "optim": optim})  # committed on both nodes, not up yet
+        first = json.loads((local / "step_2" / "metadata.json").read_text())
+        weights_2 = _local(model)
+        _train(model, optim, rank, 1)
+        try:
+            mgr.save(2, {"model": model, "optim": optim})
+            failed = None
+        except CheckpointError as e:
+            failed = type(e).__name__
+        mgr.wait(durable=True)
+    now = json.loads((local / "step_2" / "metadata.json").read_text())  # marked by close() at the latest
+    return {
+        "failed": failed,
+        "part_id": first["part"]["id"],
+        "seq_kept": now["seq"] == first["seq"],
+        "uploaded": now.get("uploaded"),
+        "pinned": now["pinned"],
+        "weights_2": weights_2,
+    }
+
+
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Saves while the durable tier refuses every write: they commit on each node and wait; once it
     is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
@@ -434,6 +507,7 @@ SCENARIOS = {
     "tiers_commit_fails": tiers_commit_fails,
     "tiers_full_disk": tiers_full_disk,
     "tiers_resave_fails": tiers_resave_fails,
+    "tiers_resave_while_uploading": tiers_resave_while_uploading,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,
 }

@@ -210,6 +210,22 @@ def test_a_save_again_that_another_node_fails_puts_back_the_copy_its_part_replac
     assert [r["weights"] for r in restored] == [s["weights"] for s in saved]
 
 
+def test_a_copy_put_back_after_its_upload_was_tried_in_between_still_goes_up(tmp_path: Path) -> None:
+    # Step 2's first copy is still going up when step 2 is saved again and node 1 fails: rank 0's
+    # upload finds node 0's new part in place and drops the copy; the put-back queues it again.
+    root, nodes = tmp_path / "shared", str(tmp_path / "node{rank}")
+    saved = _launch("tiers_resave_while_uploading", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    assert [s["failed"] for s in saved] == ["SaveFailedError", "SaveFailedError"], saved
+    assert [s["seq_kept"] for s in saved] == [True, True]
+    assert all(s["uploaded"] is not None for s in saved), saved  # marked: its upload committed
+    assert [s["pinned"] for s in saved] == [True, False]  # node 0's new part was pinned meanwhile
+    durable = json.loads((root / "step_2" / "metadata.json").read_text())
+    assert durable["uploaded"]["id"] == saved[0]["part_id"] == saved[1]["part_id"]
+    restored = _launch("tiers_restore", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    assert [r["step"] for r in restored] == [2, 2]
+    assert [r["weights"] for r in restored] == [s["weights_2"] for s in saved]
+
+
 def test_a_nodes_full_local_disk_removes_its_oldest_uploaded_parts_first(tmp_path: Path) -> None:
     # Node 1's local disk is a 4 MiB tmpfs, two of its parts at most; node 0's is large. Every save
     # still commits and goes up: node 1 removes its oldest uploaded parts early, node 0 keeps all.

@@ -37,7 +37,7 @@ from .._dist.participants import Participants
 from .._dist.participants import portable as _portable
 from .._format.checksums import FileChecksum, checksum_file
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
-from .._format.record import Record, list_files, read_record, write_record
+from .._format.record import Record, amend_record, list_files, read_record, write_record
 from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
@@ -329,18 +329,35 @@ class Committer:
             if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
                 assert self._lock is not None
                 put_back = withdraw_checkpoint(self._layout, self._lock, job.step, held=job.held)
-                self._view.withdraw(job.step, job.held_entry if put_back else None)
+                restored = self._restored(job.step, current) if put_back else None
+                self._view.withdraw(job.step, restored)
+                if restored is not None and self._on_commit is not None:
+                    # In line for its upload again: a try while the part stood in its place found
+                    # another copy there, and dropped it.
+                    self._on_commit(restored)
                 if self._deleter is not None:
                     self._deleter.schedule()
         except Exception as e:
             logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
 
+    def _restored(self, step: int, withdrawn: Committed) -> Committed | None:
+        """The copy put back in place of ``withdrawn``, as its record says now; pinned if a pin of
+        the step came while the withdrawn part stood there."""
+        assert self._lock is not None
+        target = self._layout.step_dir(step)
+        record = read_record(target)
+        if record is None:
+            return None
+        if withdrawn.record.pinned and not record.pinned:
+            record = amend_record(target, self._lock, pinned=True)
+        return Committed(target, record)
+
     @staticmethod
-    def _hold(job: SaveJob, held: Loc | None, previous: Committed | None) -> bool:
+    def _hold(job: SaveJob, held: Loc | None) -> bool:
         """Whether the commit moved an old copy of its step to ``held`` (then the job keeps it)."""
         if held is None or held.entry() is None:
             return False
-        job.held, job.held_entry = held, previous
+        job.held = held
         return True
 
     def _release_held(self, job: SaveJob) -> None:
@@ -408,7 +425,6 @@ class Committer:
             )
             write_record(job.staging_dir, record, self._lock)
             self._store.make_dir(layout.trash.key)
-            previous = self._view.get(job.step)
             try:
                 replaced = self._store.commit_dir(
                     job.staging_dir.key,
@@ -423,14 +439,14 @@ class Committer:
                 if not _holds(target, record):
                     raise
                 job.committed_here = True
-                self._hold(job, held, previous)
+                self._hold(job, held)
                 if not isinstance(e, OSError):
                     self._view.commit(Committed(target, record))
                     raise
                 logger.warning("safeckpt: step %d is in place, but syncing it failed", job.step)
                 replaced = False
             job.committed_here = True
-            if self._hold(job, held, previous):
+            if self._hold(job, held):
                 replaced = False  # the old copy is held, not in the trash: see _release_held
             self._view.commit(Committed(target, record))
             try:

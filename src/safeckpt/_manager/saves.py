@@ -54,9 +54,8 @@ class SaveJob(Flight):
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # rank 0 committed it (set by the commit itself)
     # A node's part that replaced a commit of its step: where the old copy is held (not in the trash,
-    # which the deleter empties) and its entry, until every node has committed its part.
+    # which the deleter empties) until every node has committed its part.
     held: Loc | None = None
-    held_entry: Committed | None = None
     submitted: float = field(default_factory=time.monotonic)
 
     @functools.cached_property

@@ -73,6 +73,8 @@ class Uploader:
         """Queue a local commit; the thread starts on the first one."""
         with self._cond:
             step = committed.record.step
+            # A copy put back (a several-node save withdrawn) may have been dropped meanwhile.
+            self._dropped.discard((step, committed.record.seq))
             # The same step saved again before its upload: the newer copy replaces it in line (not
             # the one being uploaded, whose mark checks that it is still the local copy).
             self._queue = deque(c for c in self._queue if c is self._current or c.record.step != step)
@@ -294,7 +296,11 @@ class Uploader:
     def _drop(self, head: Committed, error: BaseException) -> None:
         """The local copy cannot be uploaded: replaced or removed since (its newer copy, if any, is
         in line), or damaged (it is not durable, and is said so)."""
-        self._dropped.add((head.record.step, head.record.seq))
+        with self._cond:
+            key = (head.record.step, head.record.seq)
+            if any(c is not head and (c.record.step, c.record.seq) == key for c in self._queue):
+                return  # put back and in line again meanwhile: its next try uploads it
+            self._dropped.add(key)
         if fate_of(head.path, head.record) is not Fate.SAME:
             logger.info(
                 "safeckpt: step %d changed while it was uploaded (%s); not uploaded", head.record.step, error
