@@ -20,7 +20,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,10 @@ from .._dist.participants import Participants
 from .._dist.participants import portable as _portable
 from .._format.checksums import FileChecksum, checksum_file
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
-from .._format.record import Record, amend_record, list_files, read_record, write_record
+from .._format.record import Record, list_files, read_record, write_record
 from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
-from .._root.withdraw import withdraw_checkpoint
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
 from .._store.base import FILE, Lock
@@ -55,6 +53,7 @@ from ..errors import (
     SaveFailedError,
 )
 from .background import COMMITTED, FAILED, StagingPool
+from .node_commits import NodeCommits
 from .nodes import Nodes
 from .outcomes import Outcomes
 from .saves import Committed, SaveJob, SaveView
@@ -123,6 +122,7 @@ class Committer:
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
         self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
         self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
+        self._node_commits = NodeCommits(layout, view, session, on_commit)
 
     @property
     def _lock(self) -> Lock | None:
@@ -260,10 +260,10 @@ class Committer:
         failed.update((rank, e) for rank, e in enumerate(commit_errors) if e is not None)
         if failed:
             if job.committed_here:  # this node's part, without another node's: never whole
-                self._withdraw(job)
+                self._node_commits.withdraw(job)
             self._fail(job, failed, error)
             return
-        self._release_held(job)
+        self._node_commits.release(job)
         self._view.finish(job, COMMITTED)
         logger.info(
             "safeckpt: committed step %d in %.2f s (write %.2f s)",
@@ -320,60 +320,6 @@ class Committer:
             return None
         return {"id": job.staging_dir.name, "node": node, "nodes": self._nodes.count}
 
-    def _withdraw(self, job: SaveJob) -> None:
-        """This node committed its part of ``job`` and another node failed to: the part goes to the
-        trash (alone it is no checkpoint, and is never uploaded), and the copy it replaced, if any,
-        back into its place. Logged, never raised."""
-        try:
-            current = self._view.get(job.step)
-            if current is not None and (current.record.part or {}).get("id") == job.staging_dir.name:
-                assert self._lock is not None
-                put_back = withdraw_checkpoint(self._layout, self._lock, job.step, held=job.held)
-                restored = self._restored(job.step, current) if put_back else None
-                self._view.withdraw(job.step, restored)
-                if restored is not None and self._on_commit is not None:
-                    # In line for its upload again: a try while the part stood in its place found
-                    # another copy there, and dropped it.
-                    self._on_commit(restored)
-                if self._deleter is not None:
-                    self._deleter.schedule()
-        except Exception as e:
-            logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
-
-    def _restored(self, step: int, withdrawn: Committed) -> Committed | None:
-        """The copy put back in place of ``withdrawn``, as its record says now; pinned if a pin of
-        the step came while the withdrawn part stood there."""
-        assert self._lock is not None
-        target = self._layout.step_dir(step)
-        record = read_record(target)
-        if record is None:
-            return None
-        if withdrawn.record.pinned and not record.pinned:
-            record = amend_record(target, self._lock, pinned=True)
-        return Committed(target, record)
-
-    @staticmethod
-    def _hold(job: SaveJob, held: Loc | None) -> bool:
-        """Whether the commit moved an old copy of its step to ``held`` (then the job keeps it)."""
-        if held is None or held.entry() is None:
-            return False
-        job.held = held
-        return True
-
-    def _release_held(self, job: SaveJob) -> None:
-        """Every node committed its part of ``job``: the copy it replaced goes to the trash."""
-        if job.held is None:
-            return
-        assert self._lock is not None
-        try:
-            with self._lock:
-                if job.held.entry() is not None:
-                    self._store.move(job.held.key, self._layout.new_trash_path(job.step, PRUNED).key)
-            if self._deleter is not None:
-                self._deleter.schedule()
-        except Exception as e:  # left in .staging: the next start collects it
-            logger.warning("safeckpt: could not remove the copy step %d replaced (%s)", job.step, e)
-
     def _commit(self, job: SaveJob, checksums: Mapping[str, Any], *, part: Mapping[str, Any] | None) -> None:
         """Rank 0 (each node's leader, for its part), under the sidecar lock: record, then the
         rename into place, then ``latest``.
@@ -402,9 +348,7 @@ class Committer:
         # DCP's own writer, every file) are computed from the files, still in the page cache.
         sums = {n: checksums.get(n) or checksum_file(job.staging_dir / n).to_json() for n in files}
         target = layout.step_dir(job.step)
-        # A node's part that replaces a commit of its step holds the old copy out of the trash
-        # until every node has committed its part: a save that fails on another node puts it back.
-        held = layout.staging_dir(job.step, uuid.uuid4().hex[:12]) if part is not None else None
+        held = self._node_commits.holding_place(job, part)  # a node's part: see .node_commits
         with self._lock:
             # Built under the lock: a pin() of this step either lands in the job first or finds
             # the committed checkpoint after (pin holds the same lock), never in between.
@@ -439,15 +383,15 @@ class Committer:
                 if not _holds(target, record):
                     raise
                 job.committed_here = True
-                self._hold(job, held)
+                self._node_commits.hold(job, held)
                 if not isinstance(e, OSError):
                     self._view.commit(Committed(target, record))
                     raise
                 logger.warning("safeckpt: step %d is in place, but syncing it failed", job.step)
                 replaced = False
             job.committed_here = True
-            if self._hold(job, held):
-                replaced = False  # the old copy is held, not in the trash: see _release_held
+            if self._node_commits.hold(job, held):
+                replaced = False  # the old copy is held, not in the trash
             self._view.commit(Committed(target, record))
             try:
                 self._store.write_pointer(layout.latest_path.key, step_dirname(job.step))
