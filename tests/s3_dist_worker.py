@@ -396,6 +396,62 @@ def tiers_resave_while_uploading(
     }
 
 
+def tiers_die_resaving(
+    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str
+) -> Any:
+    """Step 1 made durable, step 2 committed on both nodes and not up yet (its uploads never run);
+    then step 2 saved again: node 1 fails its commit, and rank 0 dies once it committed its own
+    part, before the nodes agree. The next start must put node 0's first copy back."""
+    import errno
+    import threading
+
+    from safeckpt._manager import committer, uploads
+
+    result: dict[str, Any] = {}
+
+    def finish() -> None:
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps({"ok": True, "result": result}))
+        os._exit(0)
+
+    real_upload = uploads.Uploader._upload
+
+    def upload(self, local):  # type: ignore[no-untyped-def]
+        if local.record.step == 2:
+            threading.Event().wait()  # never uploaded: the process dies first
+        return real_upload(self, local)
+
+    uploads.Uploader._upload = upload  # type: ignore[method-assign]
+    real_commit = committer.Committer._commit
+    commits: list[int] = []
+
+    def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+        commits.append(job.step)
+        if rank == 1 and commits.count(2) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        done = real_commit(self, job, checksums, **kwargs)
+        if rank == 0 and commits.count(2) == 2:
+            finish()  # its part committed, the copy it replaced held aside: before the agreement
+        return done
+
+    committer.Committer._commit = commit  # type: ignore[method-assign]
+    model, optim = _model(ws)
+    local = Path(local_dir.format(rank=rank))
+    mgr = CheckpointManager(url, local_dir=local, async_save=False, storage_options=options)
+    _train(model, optim, rank, 1)
+    mgr.save(1, {"model": model, "optim": optim})
+    mgr.wait(durable=True)
+    _train(model, optim, rank, 1)
+    mgr.save(2, {"model": model, "optim": optim})
+    result.update(weights_2=_local(model))
+    result["part_id"] = json.loads((local / "step_2" / "metadata.json").read_text())["part"]["id"]
+    _train(model, optim, rank, 1)
+    try:
+        mgr.save(2, {"model": model, "optim": optim})
+    except CheckpointError as e:  # the other process died
+        result["error"] = type(e).__name__
+    finish()
+
+
 def tiers_root_down(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Saves while the durable tier refuses every write: they commit on each node and wait; once it
     is back (the test clears its proxy), ``wait(durable=True)`` succeeds with all of them uploaded."""
@@ -507,6 +563,7 @@ SCENARIOS = {
     "tiers_commit_fails": tiers_commit_fails,
     "tiers_full_disk": tiers_full_disk,
     "tiers_resave_fails": tiers_resave_fails,
+    "tiers_die_resaving": tiers_die_resaving,
     "tiers_resave_while_uploading": tiers_resave_while_uploading,
     "tiers_slow_upload": tiers_slow_upload,
     "tiers_mismatch": tiers_mismatch,

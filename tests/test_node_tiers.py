@@ -226,6 +226,25 @@ def test_a_copy_put_back_after_its_upload_was_tried_in_between_still_goes_up(tmp
     assert [r["weights"] for r in restored] == [s["weights_2"] for s in saved]
 
 
+def test_a_process_killed_while_a_step_is_saved_again_leaves_the_first_copy_the_next_start_puts_back(
+    tmp_path: Path,
+) -> None:
+    # Step 2 is committed on both nodes, not up yet. Saved again: node 1 fails its commit, and rank 0
+    # dies right after committing its part (its first copy held aside), before the nodes agree. The
+    # next start finds the first save whole (node 1's copy, node 0's held one), puts node 0's back,
+    # uploads it and resumes at it; the new part, on node 0 alone, goes.
+    root, nodes, out = tmp_path / "shared", str(tmp_path / "node{rank}"), str(tmp_path / "r")
+    saved = _launch("tiers_die_resaving", str(root), tmp_path / "r", options={}, local_dir=nodes, out=out)
+    assert (root / "latest").exists() and not (root / "step_2").exists()  # step 2 never went up
+    restored = _launch("tiers_restore", str(root), tmp_path / "r", options={}, local_dir=nodes)
+    assert [r["step"] for r in restored] == [2, 2]
+    assert [r["weights"] for r in restored] == [s["weights_2"] for s in saved]
+    assert any("put back the earlier copy of step 2" in m for m in restored[0]["said"]), restored[0]["said"]
+    durable = json.loads((root / "step_2" / "metadata.json").read_text())
+    assert durable["uploaded"]["id"] == saved[0]["part_id"] == saved[1]["part_id"]
+    assert not list((tmp_path / "node0" / ".staging").iterdir())  # nothing held any more
+
+
 def test_a_nodes_full_local_disk_removes_its_oldest_uploaded_parts_first(tmp_path: Path) -> None:
     # Node 1's local disk is a 4 MiB tmpfs, two of its parts at most; node 0's is large. Every save
     # still commits and goes up: node 1 removes its oldest uploaded parts early, node 0 keeps all.

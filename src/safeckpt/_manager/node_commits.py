@@ -6,6 +6,11 @@ step (a step saved again) holds the old copy aside, in ``.staging`` (not in the
 trash, which the deleter empties), until then: a save another node failed is
 taken back (:func:`~safeckpt._root.withdraw.withdraw_checkpoint`) and the old
 copy put back in its place; a save every node committed sends it to the trash.
+
+A run that stops in between (a kill, a lost rank) leaves the held copy in
+``.staging``, under a name the next start knows (:func:`is_held`) and keeps: once
+the nodes have agreed which saves are whole, a held copy of a whole save goes
+back in place of a part of one that is not (:func:`settle_held`).
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from typing import Any
 from .._format.layout import PRUNED, Layout
 from .._format.record import amend_record, read_record
 from .._root.withdraw import withdraw_checkpoint
+from .._store.base import Lock
 from .._store.loc import Loc
+from ..errors import CheckpointError
 from .saves import Committed, SaveJob, SaveView
 from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
+
+_HELD = "00000"  # a held copy's staging token starts so (a random token does once in a million)
 
 
 class NodeCommits:
@@ -42,7 +51,9 @@ class NodeCommits:
 
     def holding_place(self, job: SaveJob, part: Mapping[str, Any] | None) -> Loc | None:
         """Where a commit of ``job`` moves the copy it replaces (None: to the trash, as usual)."""
-        return self._layout.staging_dir(job.step, uuid.uuid4().hex[:12]) if part is not None else None
+        if part is None:
+            return None
+        return self._layout.staging_dir(job.step, _HELD + uuid.uuid4().hex[: 12 - len(_HELD)])
 
     @staticmethod
     def hold(job: SaveJob, held: Loc | None) -> bool:
@@ -103,3 +114,58 @@ class NodeCommits:
         if withdrawn.record.pinned and not record.pinned:
             record = amend_record(target, lock, pinned=True)
         return Committed(target, record)
+
+
+def is_held(name: str) -> bool:
+    """Whether the ``.staging`` entry ``name`` is a copy held aside (a start keeps it)."""
+    return name.rpartition(".")[2].startswith(_HELD)
+
+
+def held_copies(layout: Layout) -> list[Committed]:
+    """The copies an earlier run held aside and never released: it stopped between a node's commit
+    of a part and the nodes' agreement on it."""
+    found = []
+    for entry in layout.staging_entries():
+        if not is_held(entry.name):
+            continue
+        try:
+            record = read_record(entry)
+        except (CheckpointError, OSError):
+            record = None
+        if record is not None and record.committed and record.part_id is not None:
+            found.append(Committed(entry, record))
+    return found
+
+
+def settle_held(
+    layout: Layout, lock: Lock, view: SaveView, held: list[Committed], whole: frozenset[str]
+) -> list[int]:
+    """At start, once the nodes have agreed which saves not uploaded yet are whole (``whole``): a
+    held copy of a whole save goes back in place of a part of one that is not; any other held copy
+    goes to the trash. Returns the steps put back."""
+    put_back = []
+    for copy in held:
+        step = copy.record.step
+        current = view.get(step)
+        replaces = current is None or (
+            current.record.uploaded is None and current.record.part_id not in whole
+        )
+        if (
+            copy.record.part_id in whole
+            and replaces
+            and withdraw_checkpoint(layout, lock, step, held=copy.path)
+        ):
+            restored = read_record(layout.step_dir(step))
+            view.withdraw(step, None if restored is None else Committed(layout.step_dir(step), restored))
+            put_back.append(step)
+            logger.warning(
+                "safeckpt: put back the earlier copy of step %d in %s: the save that replaced it was "
+                "cut short before every node had committed it",
+                step,
+                layout.root,
+            )
+            continue
+        with lock:
+            if copy.path.entry() is not None:
+                layout.store.move(copy.path.key, layout.new_trash_path(step, PRUNED).key)
+    return put_back

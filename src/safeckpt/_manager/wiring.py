@@ -27,6 +27,7 @@ from .committer import Committer
 from .damaged import DamagedCommits
 from .durable import DurableTier
 from .leader_wait import Heartbeat, on_leader
+from .node_commits import held_copies, is_held, settle_held
 from .nodes import Nodes
 from .outcomes import Outcomes
 from .pins import Pins
@@ -34,7 +35,7 @@ from .preemption import PreemptionHandlers
 from .resumer import Resumer
 from .room import LocalRoom
 from .saver import Saver
-from .saves import SaveView
+from .saves import Committed, SaveView
 from .session import RootSession
 from .triggers import Triggers
 from .uploads import Uploader
@@ -107,9 +108,15 @@ def wire(
     error: BaseException | None = None
     registration: RegistrationWorker | None = None
     uploader: Uploader | None = None
+    several = durable is not None and nodes.count > 1
+    if several:  # copies an earlier run held aside: kept until the nodes agree (see .node_commits)
+        session.keep_staging = is_held
+    held: list[Committed] = []
     if leads_root:
         try:
             session.open()
+            if several:
+                held = held_copies(layout)
             if durable is not None:
                 try:
                     if parts.is_leader:  # the other nodes' leaders only put their parts there
@@ -153,7 +160,10 @@ def wire(
     owns_local = session.ownership is not None and session.ownership.claimed
 
     uploading = uploader is not None and not read_only and owns_local  # a live job's are its own
-    whole = _whole_saves(parts, nodes, uploader, view) if durable is not None and nodes.count > 1 else None
+    whole = _whole_saves(parts, nodes, uploader, view, held) if several else None
+    if held and uploading and whole is not None:
+        assert session.lock is not None
+        settle_held(layout, session.lock, view, held, whole)
     if uploading and not parts.is_leader:
         assert uploader is not None  # a node's leader: its parts go up beside rank 0's, which waits
         uploader.upload_earlier(view.committed(), whole=whole, wait=False)
@@ -223,14 +233,17 @@ def wire(
 
 
 def _whole_saves(
-    parts: Participants, nodes: Nodes, uploader: Uploader | None, view: SaveView
+    parts: Participants, nodes: Nodes, uploader: Uploader | None, view: SaveView, held: list[Committed]
 ) -> frozenset[str]:
-    """Collective: the saves not uploaded yet of which every node holds its part, and which are not
-    behind the durable root (rank 0 decides, as for one node): only these are uploaded."""
+    """Collective: the saves not uploaded yet of which every node holds its part (committed, or a
+    copy held aside), and which are not behind the durable root (rank 0 decides, as for one node):
+    only these are uploaded."""
     mine = None
     if uploader is not None and nodes.leads(parts.rank):
         mine = {
-            c.record.part_id: c for c in view.committed() if c.record.uploaded is None and c.record.part_id
+            c.record.part_id: c
+            for c in [*view.committed(), *held]
+            if c.record.uploaded is None and c.record.part_id
         }
     said = parts.gather(None if mine is None else frozenset(mine), parts.control, what="the parts to upload")
     whole: frozenset[str] = frozenset()
