@@ -4,6 +4,7 @@ rank 0 and the other nodes' leaders read the markers in a save's upload area."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,3 +119,53 @@ def test_rank_0_reads_each_marker_once_and_looks_less_often_while_a_part_is_miss
     assert reads.count(".part-0") == 1
     assert 2 <= reads.count(".part-1") <= 14  # 0.3 s: 30 looks at 0.01 s, about 10 as they grow
     assert list(itertools.islice(node_parts._pauses(), 6)) == [0.01, 0.015, 0.0225, 0.03375, 0.04, 0.04]
+
+
+def test_at_start_the_newest_held_copy_of_a_whole_save_goes_back_and_the_rest_go(layout: Layout) -> None:
+    # Node 0 after a run that stopped twice mid-agreement on step 2: its step_2 is part C (not whole),
+    # and it holds A and B (both whole, B the newer) aside, plus a save's own interrupted staging
+    # under a held-looking name. B goes back; A, C and the leftover go to the trash.
+    import threading
+
+    from safeckpt._format.record import read_record, write_record
+    from safeckpt._manager.node_commits import held_copies, settle_held
+    from safeckpt._manager.saves import Committed, SaveView
+
+    lock = threading.RLock()
+    store = layout.store
+
+    def part(where: Any, seq: int, part_id: str) -> Record:
+        record = Record(
+            step=2,
+            time=float(seq),
+            files={},
+            checksums={},
+            seq=seq,
+            part={"id": part_id, "node": 0, "nodes": 2},
+        )
+        store.make_dir(where.key)
+        write_record(where, record, lock)  # type: ignore[arg-type]
+        return record
+
+    a, b = layout.staging_dir(2, "00000aaaaaaa"), layout.staging_dir(2, "00000bbbbbbb")
+    part(a, 1, "step_2.111111000001")
+    part(b, 2, "step_2.222222000002")
+    leftover = layout.staging_dir(2, "00000ccccccc")
+    part(leftover, 4, leftover.name)  # a save's own staging: its part is named after it
+    view = SaveView()
+    view.commit(Committed(layout.step_dir(2), part(layout.step_dir(2), 3, "step_2.333333000003")))
+    held, other = held_copies(layout)
+    assert sorted(c.path.name for c in held) == [a.name, b.name]
+    assert [e.name for e in other] == [leftover.name]
+    whole = frozenset({"step_2.111111000001", "step_2.222222000002"})
+    back = settle_held(layout, lock, view, held, whole, other)  # type: ignore[arg-type]
+    assert [c.record.seq for c in back] == [2]
+    assert read_record(layout.step_dir(2)).seq == 2  # type: ignore[union-attr]
+    assert view.get(2).record.seq == 2 and view.latest == 2  # type: ignore[union-attr]
+    assert not layout.staging_entries()  # nothing held or left over any more
+    # A part that is whole itself is never replaced: the held copies just go.
+    c = layout.staging_dir(2, "00000ddddddd")
+    part(c, 1, "step_2.111111000001")
+    held, other = held_copies(layout)
+    assert settle_held(layout, lock, view, held, whole, other) == []  # type: ignore[arg-type]
+    assert read_record(layout.step_dir(2)).seq == 2 and not layout.staging_entries()  # type: ignore[union-attr]

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._format.layout import PRUNED, Layout
+from .._format.layout import PRUNED, Layout, parse_staging_name
 from .._format.record import amend_record, read_record
 from .._root.withdraw import withdraw_checkpoint
 from .._store.base import Lock
@@ -91,7 +91,7 @@ class NodeCommits:
             ):
                 return
             put_back = withdraw_checkpoint(self._layout, lock, job.step, held=job.held)
-            restored = self._restored(job.step, current) if put_back else None
+            restored = restored_copy(self._layout, lock, job.step, current) if put_back else None
             self._view.withdraw(job.step, restored)
             if restored is not None and self._on_commit is not None:
                 # In line for its upload again: a try while the part stood in its place found
@@ -102,29 +102,29 @@ class NodeCommits:
         except Exception as e:
             logger.warning("safeckpt: could not withdraw this node's part of step %d (%s)", job.step, e)
 
-    def _restored(self, step: int, withdrawn: Committed) -> Committed | None:
-        """The copy put back in place of ``withdrawn``, as its record says now; pinned if a pin of
-        the step came while the withdrawn part stood there."""
-        lock = self._session.lock
-        assert lock is not None
-        target = self._layout.step_dir(step)
-        record = read_record(target)
-        if record is None:
-            return None
-        if withdrawn.record.pinned and not record.pinned:
-            record = amend_record(target, lock, pinned=True)
-        return Committed(target, record)
-
 
 def is_held(name: str) -> bool:
     """Whether the ``.staging`` entry ``name`` is a copy held aside (a start keeps it)."""
     return name.rpartition(".")[2].startswith(_HELD)
 
 
-def held_copies(layout: Layout) -> list[Committed]:
-    """The copies an earlier run held aside and never released: it stopped between a node's commit
-    of a part and the nodes' agreement on it."""
-    found = []
+def restored_copy(layout: Layout, lock: Lock, step: int, withdrawn: Committed | None) -> Committed | None:
+    """The copy put back in place of ``withdrawn`` (a part taken back), as its record says now;
+    pinned if a pin of the step came while the withdrawn part stood there."""
+    target = layout.step_dir(step)
+    record = read_record(target)
+    if record is None:
+        return None
+    if withdrawn is not None and withdrawn.record.pinned and not record.pinned:
+        record = amend_record(target, lock, pinned=True)
+    return Committed(target, record)
+
+
+def held_copies(layout: Layout) -> tuple[list[Committed], list[Loc]]:
+    """The copies an earlier run held aside and never released (it stopped between a node's commit
+    of a part and the nodes' agreement on it), and the other entries under a held name: a save's
+    own staging (its part is named after it, a held copy's is not), or anything unreadable."""
+    held, other = [], []
     for entry in layout.staging_entries():
         if not is_held(entry.name):
             continue
@@ -132,40 +132,57 @@ def held_copies(layout: Layout) -> list[Committed]:
             record = read_record(entry)
         except (CheckpointError, OSError):
             record = None
-        if record is not None and record.committed and record.part_id is not None:
-            found.append(Committed(entry, record))
-    return found
+        if record is not None and record.committed and record.part_id not in (None, entry.name):
+            held.append(Committed(entry, record))
+        else:
+            other.append(entry)
+    return held, other
 
 
 def settle_held(
-    layout: Layout, lock: Lock, view: SaveView, held: list[Committed], whole: frozenset[str]
-) -> list[int]:
-    """At start, once the nodes have agreed which saves not uploaded yet are whole (``whole``): a
-    held copy of a whole save goes back in place of a part of one that is not; any other held copy
-    goes to the trash. Returns the steps put back."""
-    put_back = []
+    layout: Layout,
+    lock: Lock,
+    view: SaveView,
+    held: list[Committed],
+    whole: frozenset[str],
+    other: list[Loc],
+) -> list[Committed]:
+    """At start, once the nodes have agreed which saves not uploaded yet are whole (``whole``): the
+    newest held copy of a whole save goes back in place of its step's part of a save that is not
+    whole (never over one that is, or that went up); every other held copy, and ``other`` (see
+    :func:`held_copies`), goes to the trash. Returns the copies put back."""
+    for entry in other:
+        _trash(layout, lock, entry, parse_staging_name(entry.name) or 0)
+    by_step: dict[int, list[Committed]] = {}
     for copy in held:
-        step = copy.record.step
+        by_step.setdefault(copy.record.step, []).append(copy)
+    put_back = []
+    for step, copies in sorted(by_step.items()):
         current = view.get(step)
         replaces = current is None or (
             current.record.uploaded is None and current.record.part_id not in whole
         )
-        if (
-            copy.record.part_id in whole
-            and replaces
-            and withdraw_checkpoint(layout, lock, step, held=copy.path)
-        ):
-            restored = read_record(layout.step_dir(step))
-            view.withdraw(step, None if restored is None else Committed(layout.step_dir(step), restored))
-            put_back.append(step)
+        candidates = [c for c in copies if c.record.part_id in whole]
+        back = max(candidates, key=lambda c: c.record.seq or 0) if candidates and replaces else None
+        if back is not None and withdraw_checkpoint(layout, lock, step, held=back.path):
+            restored = restored_copy(layout, lock, step, current)
+            view.withdraw(step, restored)
+            if restored is not None:
+                put_back.append(restored)
             logger.warning(
                 "safeckpt: put back the earlier copy of step %d in %s: the save that replaced it was "
                 "cut short before every node had committed it",
                 step,
                 layout.root,
             )
-            continue
-        with lock:
-            if copy.path.entry() is not None:
-                layout.store.move(copy.path.key, layout.new_trash_path(step, PRUNED).key)
+        for copy in copies:
+            if copy is not back:
+                _trash(layout, lock, copy.path, step)
     return put_back
+
+
+def _trash(layout: Layout, lock: Lock, entry: Loc, step: int) -> None:
+    with lock:
+        if entry.entry() is not None:
+            layout.store.make_dir(layout.trash.key)
+            layout.store.move(entry.key, layout.new_trash_path(step, PRUNED).key)

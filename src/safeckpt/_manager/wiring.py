@@ -8,6 +8,7 @@ the committer, the writer thread, triggers, the resumer, pins and the saver.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ from .saves import Committed, SaveView
 from .session import RootSession
 from .triggers import Triggers
 from .uploads import Uploader
+
+logger = logging.getLogger("safeckpt.manager")
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,12 @@ def wire(
     if several:  # copies an earlier run held aside: kept until the nodes agree (see .node_commits)
         session.keep_staging = is_held
     held: list[Committed] = []
+    other_held: list[Loc] = []
     if leads_root:
         try:
             session.open()
             if several:
-                held = held_copies(layout)
+                held, other_held = held_copies(layout)
             if durable is not None:
                 try:
                     if parts.is_leader:  # the other nodes' leaders only put their parts there
@@ -161,9 +165,14 @@ def wire(
 
     uploading = uploader is not None and not read_only and owns_local  # a live job's are its own
     whole = _whole_saves(parts, nodes, uploader, view, held) if several else None
-    if held and uploading and whole is not None:
+    if (held or other_held) and uploading and whole is not None:
         assert session.lock is not None
-        settle_held(layout, session.lock, view, held, whole)
+        try:
+            settle_held(layout, session.lock, view, held, whole, other_held)
+        except Exception as e:  # what is left stays held aside, for the next start
+            logger.warning("safeckpt: could not settle the copies held aside in %s (%s)", root, e)
+    if several:  # every rank sees what a put-back changed
+        outcomes.share_view(parts.control, what=f"the checkpoints in {root}")
     if uploading and not parts.is_leader:
         assert uploader is not None  # a node's leader: its parts go up beside rank 0's, which waits
         uploader.upload_earlier(view.committed(), whole=whole, wait=False)
