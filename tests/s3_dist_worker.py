@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +115,33 @@ def _two_durable_steps(
     return mgr
 
 
-def tiers_save_no_upload(
-    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str
-) -> Any:
-    """As ``tiers_save``, but the job dies (``os._exit``, every rank) once step 3 is committed
-    locally, before its upload."""
+def _node_1_fails_commit(
+    rank: int, step: int, nth: int = 1, *, then_on_rank_0: Callable[[Any], None] | None = None
+) -> None:
+    """Node 1's leader fails its ``nth`` local commit of ``step`` (ENOSPC: a full disk); on rank 0,
+    ``then_on_rank_0(committer)`` runs once its own ``nth`` commit of ``step`` is done."""
+    import errno
+
+    from safeckpt._manager import committer
+
+    real = committer.Committer._commit
+    seen: list[int] = []
+
+    def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(job.step)
+        this_one = job.step == step and seen.count(step) == nth
+        if rank == 1 and this_one:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        done = real(self, job, checksums, **kwargs)
+        if rank == 0 and this_one and then_on_rank_0 is not None:
+            then_on_rank_0(self)
+        return done
+
+    committer.Committer._commit = commit  # type: ignore[method-assign]
+
+
+def _never_uploaded(step: int) -> None:
+    """The uploads of ``step`` never run: the process dies first."""
     import threading
 
     from safeckpt._manager import uploads
@@ -126,11 +149,19 @@ def tiers_save_no_upload(
     real = uploads.Uploader._upload
 
     def upload(self, local):  # type: ignore[no-untyped-def]
-        if local.record.step == 3:
-            threading.Event().wait()  # never uploaded: the process dies first
+        if local.record.step == step:
+            threading.Event().wait()
         return real(self, local)
 
     uploads.Uploader._upload = upload  # type: ignore[method-assign]
+
+
+def tiers_save_no_upload(
+    rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str, out: str
+) -> Any:
+    """As ``tiers_save``, but the job dies (``os._exit``, every rank) once step 3 is committed
+    locally, before its upload."""
+    _never_uploaded(3)
     model, optim = _model(ws)
     mgr = _two_durable_steps(model, optim, rank, url, options, local_dir)
     _train(model, optim, rank, 1)
@@ -203,20 +234,9 @@ def tiers_die_at(
 def tiers_commit_fails(rank: int, ws: int, url: str, options: dict[str, Any], *, local_dir: str) -> Any:
     """Steps 1 and 2 made durable; node 1's leader fails its local commit of step 3 (a full disk)
     after node 0 committed its part: the save fails on both ranks, and step 4 then goes up."""
-    import errno
-
     from safeckpt._fs.atomic import read_pointer
-    from safeckpt._manager import committer
 
-    if rank == 1:
-        real_commit = committer.Committer._commit
-
-        def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
-            if job.step == 3:
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return real_commit(self, job, checksums, **kwargs)
-
-        committer.Committer._commit = commit  # type: ignore[method-assign]
+    _node_1_fails_commit(rank, 3)
     model, optim = _model(ws)
     mgr = _two_durable_steps(model, optim, rank, url, options, local_dir)
     with mgr:
@@ -246,21 +266,7 @@ def tiers_resave_fails(rank: int, ws: int, url: str, options: dict[str, Any], *,
     """Steps 1 and 2 made durable; step 2 saved again, and node 1's leader fails its local commit
     of it after node 0 committed its part: node 0 puts back the copy of step 2 its part replaced.
     Then step 2 is saved once more, on every node."""
-    import errno
-
-    from safeckpt._manager import committer
-
-    if rank == 1:
-        real_commit = committer.Committer._commit
-        commits = []
-
-        def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
-            commits.append(job.step)
-            if commits.count(2) == 2:
-                raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return real_commit(self, job, checksums, **kwargs)
-
-        committer.Committer._commit = commit  # type: ignore[method-assign]
+    _node_1_fails_commit(rank, 2, nth=2)
     model, optim = _model(ws)
     local = Path(local_dir.format(rank=rank))
     with _two_durable_steps(model, optim, rank, url, options, local_dir) as mgr:
@@ -330,31 +336,22 @@ def tiers_resave_while_uploading(
     again and node 1 fails its commit: rank 0's upload of the first copy is tried while node 0's
     new part stands in its place (so it finds another copy there), then that copy is put back.
     ``wait(durable=True)`` must still make the first copy of step 2 durable."""
-    import errno
     import threading
 
     from safeckpt._format.record import amend_record
-    from safeckpt._manager import committer, uploads
+    from safeckpt._manager import uploads
     from safeckpt._manager.saves import Committed
 
     resaving, tried = threading.Event(), threading.Event()
-    real_commit = committer.Committer._commit
-    commits: list[int] = []
 
-    def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
-        commits.append(job.step)
-        if rank == 1 and commits.count(2) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        done = real_commit(self, job, checksums, **kwargs)
-        if rank == 0 and commits.count(2) == 2:
-            # A pin of step 2 meanwhile (what pin() does to the local copy): the copy put back takes it.
-            entry = self._view.get(2)
-            self._view.update(Committed(entry.path, amend_record(entry.path, self._lock, pinned=True)))
-            resaving.set()  # the new part stands in place: let the held upload try now
-            assert tried.wait(30)
-        return done
+    def pin_then_let_the_upload_try(committer: Any) -> None:
+        # A pin of step 2 meanwhile (what pin() does to the local copy): the copy put back takes it.
+        entry = committer._view.get(2)
+        committer._view.update(Committed(entry.path, amend_record(entry.path, committer._lock, pinned=True)))
+        resaving.set()  # the new part stands in place: let the held upload try now
+        assert tried.wait(30)
 
-    committer.Committer._commit = commit  # type: ignore[method-assign]
+    _node_1_fails_commit(rank, 2, nth=2, then_on_rank_0=pin_then_let_the_upload_try)
     if rank == 0:
         real_upload = uploads.Uploader._upload
 
@@ -402,38 +399,15 @@ def tiers_die_resaving(
     """Step 1 made durable, step 2 committed on both nodes and not up yet (its uploads never run);
     then step 2 saved again: node 1 fails its commit, and rank 0 dies once it committed its own
     part, before the nodes agree. The next start must put node 0's first copy back."""
-    import errno
-    import threading
-
-    from safeckpt._manager import committer, uploads
-
     result: dict[str, Any] = {}
 
-    def finish() -> None:
+    def finish(*_: Any) -> None:
         (Path(out) / f"rank{rank}.json").write_text(json.dumps({"ok": True, "result": result}))
         os._exit(0)
 
-    real_upload = uploads.Uploader._upload
-
-    def upload(self, local):  # type: ignore[no-untyped-def]
-        if local.record.step == 2:
-            threading.Event().wait()  # never uploaded: the process dies first
-        return real_upload(self, local)
-
-    uploads.Uploader._upload = upload  # type: ignore[method-assign]
-    real_commit = committer.Committer._commit
-    commits: list[int] = []
-
-    def commit(self, job, checksums, **kwargs):  # type: ignore[no-untyped-def]
-        commits.append(job.step)
-        if rank == 1 and commits.count(2) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        done = real_commit(self, job, checksums, **kwargs)
-        if rank == 0 and commits.count(2) == 2:
-            finish()  # its part committed, the copy it replaced held aside: before the agreement
-        return done
-
-    committer.Committer._commit = commit  # type: ignore[method-assign]
+    _never_uploaded(2)
+    # Rank 0 dies once its part is committed (the copy it replaced held aside), before the agreement.
+    _node_1_fails_commit(rank, 2, nth=2, then_on_rank_0=finish)
     model, optim = _model(ws)
     local = Path(local_dir.format(rank=rank))
     mgr = CheckpointManager(url, local_dir=local, async_save=False, storage_options=options)

@@ -175,12 +175,9 @@ def test_two_optimizers(tmp_path: Path, held: threading.Event) -> None:
     _save_then_train(tmp_path / "r", {"model": model, "a": first, "b": second}, train, held)
 
 
-def test_without_the_hooks_the_same_steps_fail_the_save(
-    tmp_path: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # What the tests above rely on: with no hook, the step changes the parameters before the held
-    # copy reads them, and the version check refuses the save instead of mixing two states.
-    monkeypatch.setattr(overlap.OverlappedCopy, "guard", lambda self: None)
+def _the_batchnorm_steps_fail_the_save(tmp_path: Path, held: threading.Event) -> None:
+    """The BatchNorm test's save and steps, the copy held past them: the version check refuses
+    the save instead of mixing two states."""
     model = _mlp(bn=True)
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     train = _steps(model, [optim])
@@ -192,6 +189,15 @@ def test_without_the_hooks_the_same_steps_fail_the_save(
         with pytest.raises(SaveFailedError, match="changed in place after save"):
             mgr.wait()
         assert mgr.latest_step is None
+
+
+def test_without_the_hooks_the_same_steps_fail_the_save(
+    tmp_path: Path, held: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the tests above rely on: with no hook, the step changes the parameters before the held
+    # copy reads them, and the version check refuses the save instead of mixing two states.
+    monkeypatch.setattr(overlap.OverlappedCopy, "guard", lambda self: None)
+    _the_batchnorm_steps_fail_the_save(tmp_path, held)
 
 
 @pytest.mark.parametrize("only", ["module hooks", "optimizer hooks"])
@@ -212,17 +218,7 @@ def test_each_kind_of_hook_is_needed(
             self._groups = groups
 
     monkeypatch.setattr(overlap.OverlappedCopy, "guard", one_kind)
-    model = _mlp(bn=True)
-    optim = torch.optim.Adam(model.parameters(), lr=0.1)
-    train = _steps(model, [optim])
-    _warm(train)
-    with CheckpointManager(tmp_path / "r", overlap_staging=True) as mgr:
-        mgr.save(1, {"model": model, "optim": optim})
-        train()
-        held.set()
-        with pytest.raises(SaveFailedError, match="changed in place after save"):
-            mgr.wait()
-        assert mgr.latest_step is None
+    _the_batchnorm_steps_fail_the_save(tmp_path, held)
 
 
 def test_a_tensor_changed_by_hand_before_its_copy_fails_that_save_and_loses_nothing(

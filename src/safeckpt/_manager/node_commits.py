@@ -20,8 +20,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._format.layout import PRUNED, Layout, parse_staging_name
+from .._format.layout import Layout, parse_staging_name
 from .._format.record import amend_record, read_record
+from .._root.removal import to_trash
 from .._root.withdraw import withdraw_checkpoint
 from .._store.base import Lock
 from .._store.loc import Loc
@@ -70,8 +71,7 @@ class NodeCommits:
             return
         try:
             with lock:
-                if job.held.entry() is not None:
-                    self._layout.store.move(job.held.key, self._layout.new_trash_path(job.step, PRUNED).key)
+                to_trash(self._layout, job.held, job.step)
             if self._session.deleter is not None:
                 self._session.deleter.schedule()
         except Exception as e:  # left in .staging: the next start collects it
@@ -152,7 +152,8 @@ def settle_held(
     whole (never over one that is, or that went up); every other held copy, and ``other`` (see
     :func:`held_copies`), goes to the trash. Returns the copies put back."""
     for entry in other:
-        _trash(layout, lock, entry, parse_staging_name(entry.name) or 0)
+        with lock:
+            to_trash(layout, entry, parse_staging_name(entry.name) or 0)
     by_step: dict[int, list[Committed]] = {}
     for copy in held:
         by_step.setdefault(copy.record.step, []).append(copy)
@@ -177,12 +178,6 @@ def settle_held(
             )
         for copy in copies:
             if copy is not back:
-                _trash(layout, lock, copy.path, step)
+                with lock:
+                    to_trash(layout, copy.path, step)
     return put_back
-
-
-def _trash(layout: Layout, lock: Lock, entry: Loc, step: int) -> None:
-    with lock:
-        if entry.entry() is not None:
-            layout.store.make_dir(layout.trash.key)
-            layout.store.move(entry.key, layout.new_trash_path(step, PRUNED).key)

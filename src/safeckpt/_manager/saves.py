@@ -184,20 +184,20 @@ class SaveView:
             self._committed.pop(step, None)
             if previous is not None:
                 self._committed[step] = previous
-            newest = max(self._committed.values(), key=_commit_order, default=None)
-            self._latest = newest.record.step if newest is not None else None
+            self._latest = self._newest_step()
 
     def drop(self, steps: Iterable[int]) -> None:
-        """These committed steps left the root though ``latest`` could name them (moved aside as
-        unloadable, or withdrawn); ``latest`` becomes the newest commit left, as the root's
-        pointer does."""
+        """These committed steps left the root as unloadable (moved aside), though ``latest`` could
+        name them; ``latest`` becomes the newest commit left, as the root's pointer does."""
         with self._lock:
             for step in steps:
                 self._committed.pop(step, None)
-            if self._latest in self._committed:
-                return
-            newest = max(self._committed.values(), key=_commit_order, default=None)
-            self._latest = newest.record.step if newest is not None else None
+            if self._latest not in self._committed:
+                self._latest = self._newest_step()
+
+    def _newest_step(self) -> int | None:
+        newest = max(self._committed.values(), key=_commit_order, default=None)
+        return newest.record.step if newest is not None else None
 
     def committed(self) -> list[Committed]:
         with self._lock:

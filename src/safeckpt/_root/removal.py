@@ -18,7 +18,6 @@ resume), and a background :class:`Deleter` removes trash entries in passes:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import threading
@@ -310,7 +309,16 @@ def discard_checkpoint(layout: Layout, lock: Lock, step: int) -> tuple[bool, Rec
             return False, record
         if layout.store.read_pointer(layout.latest_path.key) == step_dirname(step):
             return False, record
-        layout.store.make_dir(layout.trash.key)
-        with contextlib.suppress(FileNotFoundError):  # already gone: pruned from outside
-            layout.store.move(path.key, layout.new_trash_path(step, PRUNED).key)
+        to_trash(layout, path, step)  # already gone (pruned from outside): counts as moved
     return True, record
+
+
+def to_trash(layout: Layout, entry: Loc, step: int) -> bool:
+    """Move ``entry`` (of ``step``) into the trash, which the deleter empties; whether it was there.
+    The caller holds the sidecar lock."""
+    layout.store.make_dir(layout.trash.key)
+    try:
+        layout.store.move(entry.key, layout.new_trash_path(step, PRUNED).key)
+    except FileNotFoundError:
+        return False
+    return True

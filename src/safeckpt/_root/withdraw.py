@@ -5,11 +5,10 @@ place, and ``latest`` to the newest commit."""
 
 from __future__ import annotations
 
-import contextlib
-
-from .._format.layout import PRUNED, Layout
+from .._format.layout import Layout
 from .._store.base import Lock
 from .._store.loc import Loc
+from .removal import to_trash
 from .startup import point_latest_at_newest
 
 
@@ -17,19 +16,16 @@ def withdraw_checkpoint(layout: Layout, lock: Lock, step: int, *, held: Loc | No
     """Move ``step_<N>`` to the trash (the deleter removes it); put ``held``, the copy it replaced,
     back in its place; point ``latest`` at the newest commit. Whether ``held`` was put back.
 
-    A crash in between leaves ``latest`` naming a step that is gone, or the old copy in
-    ``.staging``: the next start repairs ``latest``, and collects the leftover with the others
-    (the old copy is then lost, as a save cut short by a crash loses the copy it replaced)."""
+    A crash in between leaves ``latest`` naming a step that is gone, which the next start
+    repairs, or the old copy still held aside, which the next start settles
+    (:func:`safeckpt._manager.node_commits.settle_held`)."""
     target = layout.step_dir(step)
     put_back = False
     with lock:
-        store = layout.store
-        store.make_dir(layout.trash.key)
-        with contextlib.suppress(FileNotFoundError):  # gone already
-            store.move(target.key, layout.new_trash_path(step, PRUNED).key)
+        to_trash(layout, target, step)
         if held is not None and held.entry() is not None:
-            store.move(held.key, target.key)
-            store.sync(target.parent.key)
+            layout.store.move(held.key, target.key)
+            layout.store.sync(target.parent.key)
             put_back = True
         point_latest_at_newest(layout, lock)
     return put_back
