@@ -49,10 +49,9 @@ def test_a_root_session_claims_loads_the_view_writes_and_gives_the_root_up(root:
     session.open()
     assert view.latest == 2 and view.newest_step() == 2
     owner = read_owner(root)
-    assert owner is not None and not owner.writing  # claimed to collect, not writing yet
+    assert owner is not None and owner.writing  # claimed at open: the writer, before any restore
     session.ensure_writer("a test")
-    owner = read_owner(root)
-    assert owner is not None and owner.writing
+    assert read_owner(root) == owner  # already ours: nothing written
     assert session.release() == []
     assert read_owner(root) is None
 
@@ -74,9 +73,8 @@ def test_a_second_root_session_is_refused_while_the_first_writes(root: Path) -> 
     first.open()
     first.ensure_writer("the first")
     second, _, _ = session_of(root)
-    second.open()  # a reader: no error
     with pytest.raises(RootInUseError, match="close\\(\\) the other CheckpointManager"):
-        second.ensure_writer("the second")
+        second.open()  # refused at open, before it could restore
     assert first.release() == [] and second.release() == []
 
 

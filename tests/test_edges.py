@@ -147,7 +147,7 @@ def test_a_damaged_sole_checkpoint_is_a_fresh_start_that_can_save(root: Path) ->
     assert steps_on_disk(root) == [1] and [p.name[:7] for p in scan(root).damaged] == ["step_7."]
 
 
-def test_a_reader_moves_nothing_and_its_first_save_moves_the_damage_aside(root: Path, tmp_path: Path) -> None:
+def test_a_reader_moves_nothing_and_the_next_owner_moves_the_damage_aside(root: Path, tmp_path: Path) -> None:
     save_steps(root, (1, 2))
     flip(shard_of(root, 2))
     with CheckpointManager(root, read_only=True) as reader:  # never changes the root
@@ -157,16 +157,17 @@ def test_a_reader_moves_nothing_and_its_first_save_moves_the_damage_aside(root: 
     owner = start(edge_worker.live_owner, str(root), str(ready), str(stop))
     try:
         wait_for_file(ready, owner)
-        mgr = CheckpointManager(root, async_save=False)  # a reader while the owner lives
-        assert mgr.restore(consistent_state(0)).step == 1
-        assert (root / "step_2").is_dir()  # not this manager's root to change
+        with pytest.raises(RootInUseError):  # a writer is refused before it restores anything
+            CheckpointManager(root, async_save=False)
+        with CheckpointManager(root, read_only=True) as reader:  # a reader while the owner lives
+            assert reader.restore(consistent_state(0)).step == 1
+        assert (root / "step_2").is_dir()  # not a reader's root to change
     finally:
         stop.write_text("stop")
         owner.join(60)
-    try:
-        mgr.save(3, consistent_state(3))  # owns the root now: the damaged step goes aside first
-    finally:
-        mgr.close()
+    with CheckpointManager(root, async_save=False) as mgr:  # owns the root now
+        assert mgr.restore(consistent_state(0)).step == 1
+        mgr.save(3, consistent_state(3))
     assert steps_on_disk(root) == [1, 3] and [p.name[:7] for p in scan(root).damaged] == ["step_2."]
     state = consistent_state(0)
     with CheckpointManager(root) as again:
@@ -414,23 +415,20 @@ def test_a_root_removed_under_a_running_job_is_made_again(
 # --- 4. a second writer learns it at once --------------------------------------------------------------
 
 
-def test_a_second_writer_is_warned_at_open_and_refused_within_seconds(
+def test_a_second_writer_is_refused_at_construction_within_seconds(
     root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ready, stop = tmp_path / "ready", tmp_path / "stop"
     owner = start(edge_worker.live_owner, str(root), str(ready), str(stop))
     try:
         pid = int(wait_for_file(ready, owner))
-        second = CheckpointManager(root, async_save=False)  # lock_timeout stays 300 s
-        try:
-            assert any(f"pid {pid} on " in w and "RootInUseError" in w for w in warnings_of(caplog))
-            started = time.monotonic()
-            with pytest.raises(RootInUseError, match=f"pid {pid} on "):
-                second.save(2, consistent_state(2))
-            assert time.monotonic() - started < 30  # seconds, not lock_timeout's five minutes
-            assert second.restore(consistent_state(0)).step == 1  # reading needs no ownership
-        finally:
-            second.close()
+        started = time.monotonic()
+        with pytest.raises(RootInUseError, match=f"pid {pid} on ") as info:
+            CheckpointManager(root, async_save=False)  # lock_timeout stays 300 s
+        assert time.monotonic() - started < 30  # seconds, not lock_timeout's five minutes
+        assert "read_only=True" in str(info.value)
+        with CheckpointManager(root, read_only=True) as reader:  # reading needs no ownership
+            assert reader.restore(consistent_state(0)).step == 1
     finally:
         stop.write_text("stop")
         owner.join(60)

@@ -115,15 +115,11 @@ def test_a_second_writer_gets_root_in_use_and_leaves_the_first_ones_saves_alone(
     try:
         wait_for(lambda: staging(root), what="the first writer's save in .staging")
         ops = FaultyFileOps()
-        second = CheckpointManager(root, lock_timeout=0.5, file_ops=ops)  # opens as a reader
-        try:
-            with pytest.raises(RootInUseError, match=f"pid {writer.pid} on ") as info:
-                second.save(1000, filled(1000))
-            assert info.value.owner["pid"] == writer.pid
-            assert "one writer at a time" in str(info.value)
-            assert [c for c in ops.calls if c.op in MUTATIONS] == [], "the second job wrote nothing"
-        finally:
-            second.close()
+        with pytest.raises(RootInUseError, match=f"pid {writer.pid} on ") as info:
+            CheckpointManager(root, lock_timeout=0.5, file_ops=ops)  # refused before it restores
+        assert info.value.owner["pid"] == writer.pid
+        assert "one writer at a time" in str(info.value)
+        assert [c for c in ops.calls if c.op in MUTATIONS] == [], "the second job wrote nothing"
         writer.join(120)
     finally:
         writer.kill()
@@ -144,7 +140,7 @@ def test_an_evaluation_reader_restoring_in_a_loop_costs_the_writer_nothing(
 
     def evaluate() -> None:
         state = fresh()
-        with CheckpointManager(root, file_ops=ops) as reader:
+        with CheckpointManager(root, file_ops=ops, read_only=True) as reader:
             result = reader.restore(state)
         restored.append(result.step)
         if result:  # whatever it loaded is whole: every value is the step's

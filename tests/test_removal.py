@@ -349,13 +349,13 @@ def test_the_background_deleter_removes_scheduled_trash(r: Root) -> None:
 
 
 class _FlakyLayout(Layout):
-    """A layout whose first listing of the trash raises, as a vanished mount would."""
+    """A layout whose first three listings of the trash raise, as a vanished mount would."""
 
     listings: list[int] = []
 
     def trash_entries(self) -> list[Loc]:
         self.listings.append(1)
-        if len(self.listings) == 1:
+        if len(self.listings) <= 3:
             raise RuntimeError("listing failed")
         return super().trash_entries()
 
@@ -373,8 +373,9 @@ def test_the_background_deleter_survives_an_unexpected_error(
         _wait_until(lambda: not path.exists())
     finally:
         deleter.close()
-    assert len(layout.listings) >= 2
-    assert any("unexpected error" in rec.message for rec in caplog.records)
+    assert len(layout.listings) >= 4
+    said = [rec.message for rec in caplog.records if "could not delete pruned checkpoints now" in rec.message]
+    assert len(said) == 1, said  # one line for the kind of failure, not one per pass
 
 
 # --- recovery at start ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._store.loc import Loc
-from ..errors import RootNotWritableError, SaveFailedError
+from ..errors import CheckpointError, RootInUseError, RootNotWritableError, SaveFailedError
 
 
 def describe(error: BaseException) -> str:
@@ -37,13 +37,24 @@ def save_failed(
     root: Loc,
     latest: str,
     distributed: bool,
-) -> SaveFailedError:
+) -> CheckpointError:
     """The error every rank raises for a save that failed on ``failed`` (rank -> error).
 
     ``latest`` says what ``latest`` names now ("step 3", "nothing", "unchanged").
     The free space where the root is goes into the message: a full disk is the
-    usual cause, and DCP's own error rarely says so.
+    usual cause, and DCP's own error rarely says so. A save refused because another
+    writer owns the root is that :class:`RootInUseError` (no retry will help).
     """
+    refusal = next((e for _, e in sorted(failed.items()) if isinstance(e, RootInUseError)), None)
+    if refusal is not None:
+        refused = RootInUseError(
+            f"the save of step {step} was not made: {refusal.message}",
+            path=refusal.path,
+            step=step,
+            owner=refusal.owner,
+        )
+        refused.__cause__ = refusal
+        return refused
     detail = "; ".join(f"rank {r}: {describe(e)}" for r, e in sorted(failed.items()))
     free = root.store.free_space()
     if free is not None:

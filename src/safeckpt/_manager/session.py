@@ -7,6 +7,7 @@ for what an owner collects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -14,11 +15,11 @@ from collections.abc import Callable
 from .._dist.failures import root_not_writable
 from .._format.catalog import Catalog, scan
 from .._format.layout import Layout
-from .._root.ownership import Ownership, live_writer
+from .._root.ownership import OwnedLock, Ownership, in_use_error
 from .._root.removal import Deleter
 from .._root.startup import take_root
 from .._store.base import DIR, Lock
-from ..errors import ConfigError, RootNotWritableError
+from ..errors import ConfigError, RootInUseError, RootNotWritableError
 from .damaged import DamagedCommits
 from .saves import Committed, SaveView
 
@@ -61,13 +62,14 @@ class RootSession:
         self._claiming = threading.Lock()  # ensure_writer() runs on the caller's and the writer thread
 
     def open(self) -> None:
-        """Claim the root if it is free, load the view.
+        """Claim the root (before any restore), load the view.
 
-        A claimant (no live owner was writing) recovers from an interrupted run
-        and starts the deleter; otherwise this manager is a reader until its
-        first save (see :mod:`safeckpt._root.ownership`). A root this process cannot
-        write is opened for reading, with a warning that names the cause; with
-        ``read_only=True`` nothing is written and nothing is said.
+        Afterwards this manager owns the root, or it raised :class:`RootInUseError` naming the
+        live owner (see :mod:`safeckpt._root.ownership`); it may wait first, saying so, while a
+        previous owner on another machine is not yet proven dead. The owner recovers from an
+        interrupted run and starts the deleter. A root this process cannot write is opened for
+        reading, with a warning that names the cause; with ``read_only=True`` nothing is
+        written, nothing is claimed and nothing is said.
         """
         top = self.root.entry()
         if top is not None and top.kind != DIR:
@@ -76,19 +78,18 @@ class RootSession:
                 "(it is created if missing).",
                 path=str(self.root),
             )
-        self.lock = self._store.lock(timeout=self._lock_timeout)
-        self.ownership = Ownership(self.root, self.lock)
+        raw = self._store.lock(timeout=self._lock_timeout)
+        self.ownership = Ownership(self.root, raw)
+        self.lock = OwnedLock(raw, self.ownership)
         claimed = False
         if not self.read_only:
             try:
                 self._store.make_dir(self.root.key)
-                claimed = self.ownership.try_claim(writing=False)
+                self.ownership.claim()
+                claimed = True
             except OSError as e:  # a read-only root or snapshot: restore still works
                 error = root_not_writable(self.root, e, doing=f"opening {self.root}")
                 logger.warning("safeckpt: %s Restoring works; save() raises until this is fixed.", error)
-            else:
-                if not claimed:
-                    self._warn_live_writer()
         if claimed:
             self._take_root()
         else:
@@ -130,17 +131,6 @@ class RootSession:
                 path=str(self.root),
             ) from e
 
-    def _warn_live_writer(self) -> None:
-        owner = live_writer(self.root)
-        if owner is not None:
-            logger.warning(
-                "safeckpt: %s is being written by another live job (%s). This manager can restore "
-                "from it, but its save() raises RootInUseError while that job runs: a root has one "
-                "writer at a time. Give this run its own root, or pass read_only=True to only read.",
-                self.root,
-                owner.describe(),
-            )
-
     def _take_root(self) -> None:
         """Once this manager owns the root: start-up collection, the view, the deleter."""
         assert self.lock is not None and self.ownership is not None
@@ -148,12 +138,7 @@ class RootSession:
         self._load_view(catalog)
         self.move_damaged_aside()  # what a restore stepped over before this manager owned the root
         if self.deleter is None:
-            self.deleter = Deleter(
-                self._layout,
-                self.lock,
-                retry_interval=self._retry_interval,
-                on_idle=self.ownership.heartbeat,
-            )
+            self.deleter = Deleter(self._layout, self.lock, retry_interval=self._retry_interval)
             self.deleter.start()
         self.deleter.schedule()
 
@@ -172,22 +157,26 @@ class RootSession:
     def ensure_claimed(self, doing: str) -> None:
         """``save()``'s check on the training thread: own the root unless this manager already does.
 
-        No storage request once this manager is the writer: the writer thread confirms it with
-        :meth:`ensure_writer` before it writes each save, so training does not wait for a
+        No storage request while this manager holds its claim: the writer thread confirms it with
+        :meth:`ensure_writer` before it writes each save, and every write under the lock checks it
+        again (:class:`~safeckpt._root.ownership.OwnedLock`), so training does not wait for a
         round trip (on object storage, a GET) in every ``save()``. A root lost since is then that
         save's failure, raised by the next call. Errors as :meth:`ensure_writer`.
         """
         assert self.ownership is not None
-        if self.read_only or not self.ownership.writing:
+        if self.read_only or not self.ownership.claimed:
             self.ensure_writer(doing)
 
     def ensure_writer(self, doing: str) -> None:
         """Before anything is written: own the root, or raise an error that says why not.
 
-        A live writer elsewhere is :class:`RootInUseError` at once. A root removed
-        while this job ran (``rm -rf``) is made again, with a warning that its
-        checkpoints are gone. Any ``OSError`` on the way is a
-        :class:`RootNotWritableError` naming its cause (read-only, full, permission).
+        A root taken over by another writer (this one was paused or cut off for too long) is
+        :class:`RootInUseError`, for good: this manager writes nothing more there. A live writer
+        elsewhere is :class:`RootInUseError` too (a root that could not be claimed at start, a
+        read-only one since fixed, is claimed here). A root removed while this job ran
+        (``rm -rf``) is made again, with a warning that its checkpoints are gone. Any ``OSError``
+        on the way is a :class:`RootNotWritableError` naming its cause (read-only, full,
+        permission).
         """
         if self.read_only:
             raise RootNotWritableError(
@@ -195,16 +184,20 @@ class RootSession:
                 "writes nothing. Create it without read_only=True to save or pin (one writer per root).",
                 path=str(self.root),
             )
-        assert self.ownership is not None
+        ownership = self.ownership
+        assert ownership is not None
         with self._claiming:
             try:
-                if self.ownership.writing and self.ownership.still_ours():
+                if ownership.claimed and ownership.still_ours():
                     return
+                if ownership.claimed:  # the record no longer names us: taken over, or gone (rm -rf)
+                    with contextlib.suppress(RootInUseError):
+                        ownership.check()  # marks the claim lost, to a new owner or to nobody
+                if ownership.lost_to is not None:
+                    raise in_use_error(self.root, ownership.lost_to, lost=True)
                 self._remake_removed_root()
-                was_claimed = self.ownership.claimed and self.ownership.still_ours()
-                self.ownership.claim_for_writing()
-                if not was_claimed:
-                    self._take_root()  # another owner held it since we opened: collect what it left
+                ownership.claim()
+                self._take_root()  # not ours before: collect what the last owner left
             except OSError as e:
                 raise root_not_writable(self.root, e, doing=doing) from e
 

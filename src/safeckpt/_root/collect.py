@@ -38,7 +38,7 @@ from .._format.layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirnam
 from .._store.base import DIR, FILE, Entry, Lock, Store
 from .._store.loc import Loc, as_root
 from ..errors import CheckpointNotFoundError
-from .ownership import read_owner
+from .ownership import live_writer, read_owner
 from .removal import (
     Deleter,
     RetryBudget,
@@ -114,12 +114,17 @@ class GcReport:
 
 
 def owner_state(root: Loc, *, stale_after: float | None = None) -> tuple[bool | None, str]:
-    """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is."""
+    """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is.
+
+    An owner on another machine is watched for up to ``stale_after`` s (default: the
+    ``dead_after`` it promised, saying so once), and counts as alive unless it is proven dead.
+    """
     owner = read_owner(root)
     if owner is None:
         return None, "no owner record"
-    alive = owner.alive() if stale_after is None else owner.alive(stale_after=stale_after)
-    return bool(alive), f"{owner.describe()} ({'alive' if alive else 'gone'})"
+    live = live_writer(root, patience=owner.dead_after if stale_after is None else stale_after)
+    alive = live is not None
+    return alive, f"{(live or owner).describe()} ({'alive' if alive else 'gone'})"
 
 
 def collect_garbage(
@@ -134,7 +139,8 @@ def collect_garbage(
     Safe while a training job writes to ``root``: its staging is left alone and every
     step holds the sidecar lock. ``drain_timeout`` bounds the retries of trash deletions
     (a ``.nfs`` file still open elsewhere); what stays is reported as skipped.
-    ``stale_after`` is passed to the owner's ``alive()`` (heartbeat age).
+    ``stale_after``: how long an owner on another machine is watched for a heartbeat (see
+    :func:`owner_state`).
     """
     layout = Layout(as_root(root))
     top = layout.root.entry()

@@ -13,7 +13,10 @@ resume), and a background :class:`Deleter` removes trash entries in passes:
 * every attempt holds the sidecar lock; the waits do not;
 * what a pass leaves is retried by the next one, and warned about once;
 * ``drain()`` (called by ``close()``) keeps passing for a longer budget, so a
-  server that keeps a ``.nfs`` file for seconds leaves nothing behind.
+  server that keeps a ``.nfs`` file for seconds leaves nothing behind;
+* a trash that cannot be reached at all (object storage down) is left for the
+  next pass, the next start or ``safeckpt gc``, with one warning per kind of
+  failure: pruning never fails training, nor ``close()``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from .._format.layout import (
 from .._format.record import Record, read_record
 from .._store.base import Lock
 from .._store.loc import Loc
-from ..errors import IncompleteCheckpointError
+from .._util.failure_log import FailureLog
+from ..errors import CheckpointError, IncompleteCheckpointError, RootInUseError
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +128,8 @@ class Deleter:
     a ``safeckpt`` command under the sidecar lock) runs a deleter.
     """
 
-    def __init__(
-        self,
-        layout: Layout,
-        lock: Lock,
-        *,
-        retry_interval: float = 1.0,
-        on_idle: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, layout: Layout, lock: Lock, *, retry_interval: float = 1.0) -> None:
         self._layout = layout
-        self._on_idle = on_idle  # the owner's heartbeat rides on this thread
         self._lock = lock
         self._retry_interval = retry_interval
         self._pass_lock = threading.Lock()
@@ -141,6 +137,7 @@ class Deleter:
         self._stop = threading.Event()
         self._warned: set[str] = set()
         self._thread: threading.Thread | None = None
+        self._failures = FailureLog(logger, f"the deleter of {layout.root}")
         self.passes = 0
 
     def start(self) -> None:
@@ -175,11 +172,21 @@ class Deleter:
             return result
 
     def drain(self, timeout: float) -> list[Loc]:
-        """Pass until the trash is empty or ``timeout`` s have gone; what is left."""
+        """Pass until the trash is empty or ``timeout`` s have gone; what is left. Never raises:
+        a trash that cannot be reached now is left, with a warning, for the next start or gc."""
         deadline = time.monotonic() + timeout
         pause = 0.05
         while True:
-            result = self.run_pass()
+            try:
+                result = self.run_pass()
+            except (OSError, CheckpointError) as e:
+                logger.warning(
+                    "safeckpt: could not empty the trash of %s now (%s); what it holds stays there, "
+                    "out of resume's way, for the next start or `safeckpt gc`",
+                    self._layout.root,
+                    e,
+                )
+                return []
             if not result.remaining:
                 return []
             left = deadline - time.monotonic()
@@ -213,12 +220,20 @@ class Deleter:
             if self._stop.is_set():
                 return
             try:
-                if self._on_idle is not None:
-                    self._on_idle()
                 if self._layout.trash_entries():
                     self.run_pass()
-            except Exception:  # pruning never fails training
-                logger.exception("safeckpt deleter: unexpected error; will retry")
+                self._failures.worked("deleting the trash")
+            except RootInUseError as e:  # the root was taken over: nothing of it is ours to delete
+                self._failures.failed("ownership", "stopped: %s", e)
+                return
+            except Exception as e:  # pruning never fails training: the next pass tries again
+                self._failures.failed(
+                    "deleting the trash",
+                    "could not delete pruned checkpoints now (%s: %s); they stay in the trash, out of "
+                    "resume's way, and are retried (or collected by the next start or `safeckpt gc`)",
+                    type(e).__name__,
+                    e,
+                )
 
     def _warn_once(self, entry: Loc, error: OSError | None) -> None:
         if entry.name in self._warned:

@@ -1,30 +1,39 @@
 """The few S3 requests a root needs, on botocore, with errors as ``OSError``\\ s the core understands.
 
-Every request is retried by botocore's ``standard`` mode: exponential backoff
-with jitter on 5xx, ``SlowDown`` and other throttling, timeouts and dropped
-connections, at most ``max_attempts`` times, each bounded by the connect and
-read timeouts, so a request gives up in bounded time. A conditional PUT that
-is retried after the server already applied it comes back as 412; the callers
+Every request is retried here (botocore's own retries are off), with exponential
+backoff and jitter, on 5xx, ``SlowDown`` and other throttling, timeouts and
+dropped connections, until ``max_attempts`` or the ``timeout`` deadline runs
+out, whichever comes first; a server that stops answering is then *down* for
+every request of this client, which fail at once but for a probe every few
+seconds (:mod:`safeckpt._util.reachability`). So an outage costs a public call
+about one deadline, never minutes per request. A conditional PUT that is
+retried after the server already applied it comes back as 412; the callers
 that care (:meth:`Client.put_new`, :meth:`Client.put_over`) then read the object
 and accept it if it is what they wrote.
+
+A server's reply is untrusted input: a reply botocore cannot parse, or a
+``Date`` that cannot be read, is an error or an unknown, never a raw exception.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import errno
-import random
+import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
 from .._format.checksums import crc32
+from .._util.reachability import Outcome, Reachability, call_with_deadline
 from ..errors import ConfigError
 from .location import Location, Settings
+
+logger = logging.getLogger(__name__)
 
 DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 
@@ -55,7 +64,16 @@ class S3Error(OSError):
         self._args = (code, status, message, key)
 
     def __reduce__(self) -> tuple[object, ...]:  # errors cross ranks pickled
-        return (S3Error, self._args)
+        return (type(self), self._args)
+
+
+class Unreachable(S3Error, ConnectionError):
+    """Nothing answered: refused, reset or timed out after every retry, or not tried while the
+    server is known to be down. A ``ConnectionError``, so the core tells it from a refusal."""
+
+    def __init__(self, code: str, status: int, message: str, key: str) -> None:
+        super().__init__(code, status, message, key)
+        self.errno = errno.EHOSTUNREACH
 
 
 @dataclass(frozen=True)
@@ -72,8 +90,9 @@ class Got:
     size: int
     """The whole object's size (a ranged GET returns part of it)."""
     metadata: Mapping[str, str] = field(default_factory=dict)
-    age: float = 0.0
-    """Seconds since it was written, by the server's clock (``Date`` against ``Last-Modified``)."""
+    age: float | None = 0.0
+    """Seconds since it was written, by the server's clock (``Date`` against ``Last-Modified``);
+    None where the server's dates cannot be read."""
 
 
 def crc32_header(data: bytes | memoryview) -> str:
@@ -110,7 +129,7 @@ class Client:
         except ImportError as e:  # pragma: no cover - the extra is missing
             raise ConfigError("s3:// roots need boto3: pip install 'safeckpt[s3]'.", path=location.url) from e
         config = Config(
-            retries={"mode": "standard", "total_max_attempts": settings.max_attempts},  # not retries
+            retries={"mode": "standard", "total_max_attempts": 1},  # retried here, within a deadline
             connect_timeout=settings.connect_timeout,
             read_timeout=settings.read_timeout,
             max_pool_connections=max(16, 4 * settings.max_concurrency),
@@ -120,6 +139,9 @@ class Client:
         )
         self.bucket = location.bucket
         self._attempts = settings.max_attempts
+        self._deadline = settings.timeout
+        self.reach = Reachability()
+        self.lists_uploads = True  # False once the server said it does not (501): see uploads()
         self._s3 = boto3.session.Session(botocore_session=_botocore_session()).client(
             "s3", config=config, **dict(settings.client)
         )
@@ -183,18 +205,15 @@ class Client:
                 return Got(b"", "", self.head(key).size)
             end = "" if length is None else str(start + length - 1)
             args["Range"] = f"bytes={start}-{end}"
-        for attempt in range(self._attempts):
-            reply = self._call("get_object", key, **args)
+        def attempt() -> tuple[dict[str, Any], bytes]:
+            reply = self._s3.get_object(**args)
             body = reply["Body"]
-            try:
-                data = body.read()
-                break
-            except Exception as e:  # a body cut mid-way: botocore retries the request, not its body
-                if attempt + 1 == self._attempts:
-                    raise S3Error("ReadError", 0, f"{type(e).__name__}: {e}", key) from e
-                time.sleep(min(1.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+            try:  # a body cut mid-way is retried with its request
+                return reply, body.read()
             finally:
                 body.close()
+
+        reply, data = self._retrying(key, attempt)
         size = int(reply.get("ContentRange", "/").rpartition("/")[2] or reply["ContentLength"])
         date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         age = _age(reply.get("LastModified"), date)
@@ -244,18 +263,19 @@ class Client:
         ``delimiter`` is None); the first page of at most ``limit`` only, when given."""
         objects: list[tuple[str, int]] = []
         prefixes: list[str] = []
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            args["Delimiter"] = delimiter
         if limit is not None:
-            args = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": limit}
-            if delimiter:
-                args["Delimiter"] = delimiter
+            args["MaxKeys"] = limit
+        while True:
             page = self._call("list_objects_v2", prefix, **args)
             objects.extend((o["Key"], int(o["Size"])) for o in page.get("Contents") or ())
             prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes") or ())
-            return objects, prefixes
-        for page in self._pages("list_objects_v2", prefix, Prefix=prefix, Delimiter=delimiter):
-            objects.extend((o["Key"], int(o["Size"])) for o in page.get("Contents") or ())
-            prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes") or ())
-        return objects, prefixes
+            token = page.get("NextContinuationToken")
+            if limit is not None or not page.get("IsTruncated") or not token:
+                return objects, prefixes
+            args["ContinuationToken"] = token
 
     # --- multipart ------------------------------------------------------------------------------
 
@@ -297,33 +317,127 @@ class Client:
             self._call("abort_multipart_upload", key, Bucket=self.bucket, Key=key, UploadId=upload_id)
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
-        """Unfinished multipart uploads under ``prefix``: ``(key, upload id)``."""
-        found = []
-        for page in self._pages("list_multipart_uploads", prefix, Prefix=prefix):
+        """Unfinished multipart uploads under ``prefix``: ``(key, upload id)``.
+
+        A server that does not implement the listing (501, as some S3-compatible servers answer)
+        has none to show: said once, and the uploads a killed save left there stay until the
+        bucket's lifecycle rule for incomplete uploads removes them (docs/object-storage.md).
+        """
+        if not self.lists_uploads:
+            return []
+        found: list[tuple[str, str]] = []
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            try:
+                page = self._call("list_multipart_uploads", prefix, **args)
+            except S3Error as e:
+                if e.status != 501 and e.code not in ("NotImplemented", "NotImplementedError"):
+                    raise
+                self.lists_uploads = False
+                logger.warning(
+                    "safeckpt: %s does not list unfinished multipart uploads (%s); those a killed save "
+                    "leaves are not collected by safeckpt: give the bucket a lifecycle rule that aborts "
+                    "incomplete multipart uploads",
+                    self.endpoint,
+                    e.code,
+                )
+                return []
             found.extend((u["Key"], u["UploadId"]) for u in page.get("Uploads") or ())
-        return found
+            if not page.get("IsTruncated"):
+                return found
+            args["KeyMarker"] = page.get("NextKeyMarker", "")
+            args["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
     # --- plumbing ---------------------------------------------------------------------------------
 
-    def _pages(self, operation: str, key: str, **args: Any) -> Iterator[dict[str, Any]]:
-        args = {k: v for k, v in args.items() if v is not None}
-        paginator = self._s3.get_paginator(operation)
-        try:
-            yield from paginator.paginate(Bucket=self.bucket, **args)
-        except Exception as e:
-            raise _as_os_error(e, key) from e
-
     def _call(self, operation: str, key: str, **args: Any) -> dict[str, Any]:
+        method = getattr(self._s3, operation)
+        return self._retrying(key, lambda: method(**args))
+
+    def _retrying(self, key: str, attempt: Callable[[], Any]) -> Any:
+        """``attempt()`` with the retries and deadline of the module doc; errors as ``OSError``."""
+
+        def unreachable(error: BaseException, down: float) -> Unreachable:
+            cause = _as_os_error(error, key) if isinstance(error, Exception) else error
+            return Unreachable(
+                "Unreachable",
+                0,
+                f"{self.endpoint} has not answered for {down:.0f} s ({cause})",
+                key,
+            )
+
         try:
-            return getattr(self._s3, operation)(**args)
+            return call_with_deadline(
+                attempt,
+                _classify,
+                self.reach,
+                attempts=self._attempts,
+                deadline=self._deadline,
+                unreachable=unreachable,
+            )
+        except Unreachable:
+            raise
         except Exception as e:
             raise _as_os_error(e, key) from e
 
 
-def _age(last_modified: Any, date_header: str | None) -> float:
-    if last_modified is None or not date_header:
-        return 0.0
-    return max(0.0, (parsedate_to_datetime(date_header) - last_modified).total_seconds())
+_RETRIED_CODES = frozenset(
+    (
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    )
+)
+
+
+def _classify(error: BaseException) -> Outcome:
+    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError
+
+    if isinstance(error, ClientError):
+        info = error.response.get("Error") or {}
+        status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if status == 501:
+            return Outcome.ANSWERED
+        if status >= 500 or status == 429 or str(info.get("Code", "")) in _RETRIED_CODES:
+            return Outcome.RETRY
+        return Outcome.ANSWERED
+    if isinstance(error, (ConnectionError, HTTPClientError)):
+        return Outcome.SILENT  # refused, reset, timed out, or a body cut short
+    if isinstance(error, BotoCoreError):
+        return Outcome.DONE  # no credentials, a bad parameter: trying again changes nothing
+    if isinstance(error, (OSError, ValueError)) and not isinstance(error, FileNotFoundError):
+        return Outcome.SILENT  # a body read that failed below botocore (urllib3, ssl)
+    return Outcome.DONE
+
+
+def _age(last_modified: Any, date_header: Any) -> float | None:
+    """Seconds between ``Last-Modified`` and the reply's ``Date``, both the server's; None where
+    either cannot be read (absent, unparseable, or several ``Date`` headers that disagree)."""
+    if not isinstance(last_modified, datetime.datetime) or not isinstance(date_header, str):
+        return None
+    dates = set()
+    for part in _split_dates(date_header):
+        try:
+            parsed = parsedate_to_datetime(part)
+        except (TypeError, ValueError, IndexError):
+            return None
+        dates.add(parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc))  # -0000
+    if len(dates) != 1:
+        return None
+    modified = last_modified if last_modified.tzinfo else last_modified.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (dates.pop() - modified).total_seconds())
+
+
+def _split_dates(header: str) -> list[str]:
+    """A ``Date`` header, or several joined with ``", "`` (HTTP's rule for a repeated header): each
+    HTTP date has one comma of its own, after the weekday."""
+    pieces = [p.strip() for p in header.split(",")]
+    if len(pieces) % 2:
+        return [header]
+    return [f"{pieces[i]}, {pieces[i + 1]}" for i in range(0, len(pieces), 2)]
 
 
 def _as_os_error(error: Exception, key: str) -> Exception:
@@ -342,4 +456,9 @@ def _as_os_error(error: Exception, key: str) -> Exception:
         return S3Error(code or "Error", status, str(info.get("Message", error)), key)
     if isinstance(error, BotoCoreError):  # no connection, a timeout, after every retry
         return S3Error(type(error).__name__, 0, str(error), key)
-    return error
+    if isinstance(error, OSError):
+        return error
+    # Anything else is a reply botocore could not make sense of (a bad date, a broken XML body):
+    # the server's fault, said as such, never a raw TypeError from deep inside the client.
+    return S3Error("InvalidResponse", 502, f"the server's reply could not be read ({type(error).__name__}: "
+                   f"{error})", key)

@@ -1,11 +1,18 @@
 """The root's lock on S3: a lease object taken and renewed with conditional writes.
 
-Taking it is ``PUT .lock`` with ``If-None-Match: *``; a holder renews it with
-``If-Match`` on its own ETag every third of the lease, so a process that dies
-holding it frees the root within one lease, never forever. A lease found
-expired (by the server's clock: the object's ``Last-Modified`` against the
-``Date`` of the reply) is taken over with ``If-Match`` on the ETag read, so
-two processes that both find it expired cannot both win. A holder that could
+Taking it is ``PUT .lock`` with ``If-None-Match: *`` (or ``If-Match`` on the
+ETag of a released lease); a holder renews it with ``If-Match`` on its own ETag
+every third of the lease, so a process that dies holding it frees the root
+within one lease, never forever. Releasing it is a conditional PUT of a
+*released* body (a conditional DELETE is not implemented by every S3-compatible
+server, and a plain DELETE could remove another holder's lease). A lease is
+free when it is released, when its holder ran on this machine and its process
+is gone, or when it has expired: by the server's clock (the object's
+``Last-Modified`` against the ``Date`` of the reply; no client clock is
+compared), or, where the server's dates cannot be read, by the taker's own
+monotonic clock (the same ETag seen for longer than the lease). It is taken with
+``If-Match`` on the ETag read, so two processes that both find it free cannot
+both win. A holder that could
 not renew in time has lost the lock: from the moment its lease may have run
 out (by its own clock, with a margin), every write its store makes under the
 lock raises :class:`LockTimeoutError` instead (:func:`check_held`), until a
@@ -21,18 +28,18 @@ import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
 import uuid
 from types import TracebackType
 
+from .._util.processes import machine, pid_alive, process_start
 from ..errors import LockTimeoutError
 from .client import Client, NotFound, PreconditionFailed
 
 logger = logging.getLogger(__name__)
 
-LEASE_SECONDS = 30.0
+LEASE_SECONDS = 20.0
 
 
 class _Lease:
@@ -52,6 +59,8 @@ class _Lease:
         self.stop = threading.Event()
         self.valid_until = 0.0  # monotonic: the lease may run out after this (the last PUT's start + lease)
         self.lost = False  # taken over by another process while held
+        self.released: str | None = None  # the ETag of our own released body, to take it back at once
+        self.seen: tuple[str, float] | None = None  # a holder's ETag and when this process first saw it
 
 
 _leases: dict[tuple[str, str], _Lease] = {}
@@ -90,6 +99,24 @@ def _shared(client: Client, key: str, url: str, lease: float) -> _Lease:
         if found is None:
             found = _leases[where] = _Lease(client, key, url, lease)
         return found
+
+
+def _free(body: dict[str, object], age: float | None, lease: float, seen_for: float) -> str | None:
+    """Why a lease with ``body`` is free to take (its holder released it, died, or let it expire),
+    or None while it holds. ``age``: by the server's clock, None where its dates are unusable."""
+    if body.get("released"):
+        return "released"
+    host, boot, namespace = machine()
+    if (body.get("host"), body.get("boot_id"), body.get("pid_ns")) == (host, boot, namespace) and boot:
+        pid, start = body.get("pid"), body.get("pid_start")
+        reused = start is not None and process_start(pid) != start if isinstance(pid, int) else False
+        if isinstance(pid, int) and (not pid_alive(pid) or reused):
+            return f"(pid {pid}, this machine) is gone"
+    if age is not None and age > lease + _DATE_RESOLUTION:
+        return "let it expire"
+    if seen_for > lease + _DATE_RESOLUTION:  # by our own clock: the server's dates told nothing
+        return "let it expire (unchanged for longer than the lease)"
+    return None
 
 
 class LeaseLock:
@@ -138,8 +165,8 @@ class LeaseLock:
             state.renewer.join()
             state.renewer = None
         try:
-            if state.etag is not None:
-                state.client.delete(state.key, if_match=state.etag)  # never another holder's lease
+            if state.etag is not None and not state.lost:  # never another holder's lease
+                state.released = state.client.put_over(state.key, self._body(released=True), state.etag)
         except OSError as e:  # it expires by itself within one lease
             logger.warning(
                 "safeckpt: could not release the lock %s (%s); it expires in %g s", self.path, e, state.lease
@@ -152,11 +179,22 @@ class LeaseLock:
     def close(self) -> None:
         pass  # nothing is held open between acquisitions
 
-    def _body(self) -> bytes:
+    def _body(self, *, released: bool = False) -> bytes:
         state = self._state
-        return json.dumps(
-            {"token": state.token, "pid": os.getpid(), "host": socket.gethostname(), "lease": state.lease}
-        ).encode()
+        pid = os.getpid()
+        host, boot, namespace = machine()
+        body = {
+            "token": state.token,
+            "pid": pid,
+            "pid_start": process_start(pid),
+            "host": host,
+            "boot_id": boot,
+            "pid_ns": namespace,
+            "lease": state.lease,
+        }
+        if released:
+            body["released"] = True
+        return json.dumps(body).encode()
 
     def _take(self, deadline: float) -> None:
         state = self._state
@@ -164,38 +202,52 @@ class LeaseLock:
         while True:
             started = time.monotonic()
             try:
-                state.etag = state.client.put_new(state.key, self._body())
+                if state.released is not None:  # ours, released: take it back in one request
+                    state.etag = state.client.put_over(state.key, self._body(), state.released)
+                else:
+                    state.etag = state.client.put_new(state.key, self._body())
                 state.valid_until, state.lost = started + state.lease, False
                 return
-            except PreconditionFailed:
-                pass
-            if self._take_over_expired():
+            except (PreconditionFailed, NotFound):
+                state.released = None
+            if self._take_over_free():
                 return
             if time.monotonic() >= deadline:
                 raise self._timeout_error()
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 1.0)
 
-    def _take_over_expired(self) -> bool:
+    def _take_over_free(self) -> bool:
+        """Take the lease if it is free (see the module docstring); whether this process has it."""
         state = self._state
         try:
             got = state.client.get(state.key)
         except NotFound:
             return False  # released meanwhile: the next PUT takes it
         try:
-            lease = float(json.loads(got.data).get("lease", state.lease))
-        except (ValueError, AttributeError):
-            lease = state.lease
-        if got.age <= lease + _DATE_RESOLUTION:
+            body = json.loads(got.data)
+            lease = float(body.get("lease", state.lease))
+        except (ValueError, AttributeError, TypeError):
+            body, lease = {}, state.lease
+        why = _free(body, got.age, lease, self._seen_for(got.etag))
+        if why is None:
             return False
         started = time.monotonic()
         try:
             state.etag = state.client.put_over(state.key, self._body(), got.etag)
         except (PreconditionFailed, NotFound):
-            return False  # someone else took it over first, or it was released: the next PUT takes it
-        state.valid_until, state.lost = started + state.lease, False
-        logger.warning("safeckpt: took over the lock %s, which its holder let expire", self.path)
+            return False  # someone else took it first, or it was removed: the next PUT takes it
+        state.valid_until, state.lost, state.seen = started + state.lease, False, None
+        if why != "released":
+            logger.warning("safeckpt: took over the lock %s, whose holder %s", self.path, why)
         return True
+
+    def _seen_for(self, etag: str) -> float:
+        """How long this process has seen the lease with ``etag``, by its own monotonic clock."""
+        state, now = self._state, time.monotonic()
+        if state.seen is None or state.seen[0] != etag:
+            state.seen = (etag, now)
+        return now - state.seen[1]
 
     def _renew(self) -> None:
         state = self._state

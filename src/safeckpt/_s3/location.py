@@ -7,7 +7,7 @@ Settings come from the standard AWS variables (``AWS_ENDPOINT_URL``,
 (``key``, ``secret``, ``token``, ``endpoint_url``, ``region_name``,
 ``client_kwargs={"endpoint_url": ..., "region_name": ...}``), plus safeckpt's
 own transfer settings (``part_size``, ``max_concurrency``, ``max_attempts``,
-``connect_timeout``, ``read_timeout``).
+``timeout``, ``connect_timeout``, ``read_timeout``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,13 @@ class Settings:
     """Parts uploaded, or ranges read, at once per file."""
     max_attempts: int = 8
     """Attempts per request (the first and its retries, with exponential backoff and jitter)."""
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    timeout: float = 30.0
+    """Seconds a request may keep retrying before it gives up; once one gives up because nothing
+    answered, the server counts as down and the next requests fail at once (a probe every few
+    seconds). So every call ends within about ``timeout + read_timeout`` after the server stops
+    answering."""
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,14 @@ _CLIENT_KEYS = {
     "region_name": "region_name",
     "region": "region_name",
 }
-_TRANSFER_KEYS = {"part_size", "max_concurrency", "max_attempts", "connect_timeout", "read_timeout"}
+_TRANSFER_KEYS = {
+    "part_size",
+    "max_concurrency",
+    "max_attempts",
+    "timeout",
+    "connect_timeout",
+    "read_timeout",
+}
 
 
 def settings(options: Mapping[str, Any] | None) -> Settings:
@@ -112,4 +124,10 @@ def settings(options: Mapping[str, Any] | None) -> Settings:
         value = getattr(result, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"storage_options[{name!r}] must be a positive int, got {value!r}.")
+    for name in ("timeout", "connect_timeout", "read_timeout"):
+        value = getattr(result, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(
+                f"storage_options[{name!r}] must be a positive number of seconds, got {value!r}."
+            )
     return result

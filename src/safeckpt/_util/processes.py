@@ -1,8 +1,15 @@
-"""Whether a process of this host still runs: its pid, its start time, and not a zombie."""
+"""Whether a process still runs, and whether a pid means the same process here as where it was read.
+
+A pid says something only inside its own pid namespace on its own boot of its own kernel:
+two containers on one kernel can share a hostname and a pid, and a rebooted host reuses
+pids. :func:`machine` names that context, so a pid is trusted only where it matches.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 
 
 def process_start(pid: int) -> int | None:
@@ -33,3 +40,27 @@ def zombie(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except (OSError, IndexError):
         return False
+
+
+@functools.cache
+def boot_id() -> str | None:
+    """This boot of this kernel (Linux's random boot id), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``), or None where it cannot be read.
+    Not cached: a forked child may have unshared it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def machine() -> tuple[str, str | None, str | None]:
+    """Where a pid means this process table: the hostname, the boot id and the pid namespace."""
+    return socket.gethostname(), boot_id(), pid_namespace()
