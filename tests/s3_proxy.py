@@ -11,6 +11,16 @@ moto on 127.0.0.1 and does it on request, for the next *n* matching requests:
 * ``corrupt_next``: flip one byte of the request body, then forward (moto does not check
   ``x-amz-checksum-crc32``; real S3 refuses such a body with 400 ``BadDigest``).
 
+And for every request until told otherwise:
+
+* ``go_down(how)`` plays an outage: ``"refuse"`` closes the port (connection refused),
+  ``"drop"`` resets each connection as it comes, ``"hang"`` accepts and never answers (a
+  black-holed route); ``come_back()`` ends it, on the same port;
+* ``edit_responses(fn)``: ``fn(headers)`` rewrites the headers of every answer (a server whose
+  ``Date`` is duplicated or malformed);
+* ``strip_conditions()``: drops ``If-None-Match`` and ``If-Match`` from every request before it
+  goes upstream, as a server that ignores them would (every conditional write then succeeds).
+
 Everything the proxy sees is recorded in ``requests`` (:class:`Seen`), with whether the body that
 went upstream matches its ``x-amz-checksum-crc32`` header, so tests can assert that every data
 upload carried a correct CRC32.
@@ -38,7 +48,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urlsplit
@@ -82,7 +92,7 @@ class Seen(NamedTuple):
     None without that header, or when the body was not read in full (a reset)."""
     fault: str | None
     """The rule that hit it: ``fail``, ``reset``, ``reset_response``, ``delay``, ``corrupt``
-    (``upstream`` when moto could not be reached), or None."""
+    (``upstream`` when moto could not be reached, ``down`` during an outage), or None."""
 
 
 @dataclass
@@ -136,8 +146,13 @@ class S3FaultProxy:
         self._lock = threading.Lock()
         self._count = 0
         self._server = _Server(("127.0.0.1", 0), _make_handler(self))
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self._thread: threading.Thread | None = None
+        self.down: str | None = None  # "drop" or "hang" while an outage is played (see go_down)
+        self._back = threading.Event()
+        self.response_editor: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] | None = None
+        self.stripping = False
 
     # --- lifetime ---------------------------------------------------------------------------------
 
@@ -153,6 +168,28 @@ class S3FaultProxy:
             self._thread.join()
             self._thread = None
         self._server.server_close()
+
+    def go_down(self, how: str = "refuse") -> None:
+        """An outage, until :meth:`come_back` (see the module docstring)."""
+        assert how in ("refuse", "drop", "hang"), how
+        self._back.clear()
+        if how == "refuse":
+            self.stop()  # the port closes: a connect is refused
+        self.down = how
+
+    def come_back(self) -> None:
+        if self.down == "refuse":
+            self._server = _Server(("127.0.0.1", self.port), _make_handler(self))
+            self._thread = None
+            self.start()
+        self.down = None
+        self._back.set()  # hung requests end (with a reset: the client has given up on them)
+
+    def edit_responses(self, editor: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] | None) -> None:
+        self.response_editor = editor
+
+    def strip_conditions(self, on: bool = True) -> None:
+        self.stripping = on
 
     def __enter__(self) -> S3FaultProxy:
         return self.start()
@@ -296,6 +333,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy(self) -> None:
         self.close_connection = True  # one request per connection: see the module's docstring
         parts = urlsplit(self.path)
+        if self.proxy.down is not None:  # recorded: how many requests an outage costs is a test's
+            seen = Seen(self.command, parts.path, parts.query, None, {}, None, "down")
+            self.proxy._record(seen)
+            if self.proxy.down == "hang":
+                self.proxy._back.wait(_CLIENT_TIMEOUT)
+            self._abort()
+            return
         method, path, query = self.command, parts.path, parts.query
         headers = {k.lower(): v for k, v in self.headers.items()}
         rule = self.proxy._take(method, path, query)
@@ -368,8 +412,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=_UPSTREAM_TIMEOUT)
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+            stripped = ("if-none-match", "if-match") if self.proxy.stripping else ()
             for name, value in self.headers.items():
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+                lower = name.lower()
+                if lower not in _HOP_BY_HOP and lower != "content-length" and lower not in stripped:
                     conn.putheader(name, value)
             if body or "content-length" in (k.lower() for k in self.headers):
                 conn.putheader("Content-Length", str(len(body)))
@@ -391,6 +437,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     ) -> None:
         """Send the status, headers and body; with ``cut_at``, only that much body, then a reset."""
         self.send_response_only(status, reason)
+        if self.proxy.response_editor is not None:
+            headers = self.proxy.response_editor(list(headers))
         no_body = self.command == "HEAD" or status in (204, 304)
         for name, value in headers:
             # The body is sent whole, so its length is known; a HEAD keeps the object's length.

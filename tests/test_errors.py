@@ -24,6 +24,7 @@ from safeckpt.errors import (
     RankAgreementError,
     RootInUseError,
     RootNotWritableError,
+    RootUnreachableError,
     SaveFailedError,
     UnsafeCheckpointError,
     UnsupportedStateError,
@@ -43,6 +44,7 @@ CLASSES: list[tuple[type[CheckpointError], type[BaseException]]] = [
     (LockTimeoutError, TimeoutError),
     (RootInUseError, Exception),
     (RootNotWritableError, Exception),
+    (RootUnreachableError, ConnectionError),
     (ManagerClosedError, RuntimeError),
     (ConfigError, ValueError),
     (NewerFormatError, Exception),
@@ -70,7 +72,7 @@ def make(cls: type[CheckpointError]) -> CheckpointError:
         kwargs.update(offset=4096)
     if cls is RootInUseError:
         kwargs.update(owner={"host": "node7", "pid": 1234})
-    if cls is RootNotWritableError:
+    if cls in (RootNotWritableError, RootUnreachableError):
         kwargs.update(errno=30)
     return cls(f"{cls.__name__}: what happened; what to do.", **kwargs)
 
@@ -98,6 +100,8 @@ def test_pickles_with_its_fields(
     assert (clone.path, clone.step, clone.rank) == ("/ckpt/step_3", 3, 1)
     if isinstance(error, (SaveFailedError, RankAgreementError)):
         assert clone.failures == error.failures  # type: ignore[attr-defined]
+    if isinstance(error, (RootNotWritableError, RootUnreachableError)):
+        assert clone.errno == 30  # type: ignore[attr-defined]
     if isinstance(error, SaveFailedError):
         assert isinstance(clone.cause, OSError)  # type: ignore[attr-defined]
         assert str(clone.cause) == str(error.cause)  # type: ignore[attr-defined]

@@ -194,6 +194,36 @@ class RootNotWritableError(CheckpointError):
         self.errno = errno
 
 
+class RootUnreachableError(CheckpointError, ConnectionError):
+    """The storage that holds the root does not answer (refused, reset or timed out, after the
+    retries ``storage_options["timeout"]`` allows). Not a configuration error: the same call may
+    work once the storage is back. Nothing already saved was touched.
+
+    ``errno`` is the operating system's error number where there was one, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path, step=step, rank=rank)
+        self.errno = errno
+
+    def __reduce__(self) -> tuple[Any, ...]:  # errno is OSError's own slot, not in __dict__
+        return (_rebuild_unreachable, (self.message, self.__dict__.copy(), self.errno))
+
+
+def _rebuild_unreachable(message: str, fields: dict[str, Any], errno: int | None) -> RootUnreachableError:
+    error = _rebuild(RootUnreachableError, message, fields)
+    error.errno = errno  # type: ignore[misc]
+    return error  # type: ignore[return-value]
+
+
 class ManagerClosedError(CheckpointError, RuntimeError):
     """The manager was used after ``close()``."""
 

@@ -18,7 +18,7 @@ import pickle
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -312,9 +312,17 @@ def load_flat(
         raise CheckpointException("read_data", {0: failure}) from e
 
 
+E = TypeVar("E", bound=BaseException)
+
+
 def our_failure(error: CheckpointException) -> CheckpointError | None:
+    return failure_of(error, CheckpointError)
+
+
+def failure_of(error: CheckpointException, kind: type[E]) -> E | None:
+    """The first rank's failure inside DCP's ``error`` that is a ``kind``, or None."""
     for _rank, failure in sorted(error.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(exc, CheckpointError):
+        if isinstance(exc, kind):
             return exc
     return None

@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .._store.loc import Loc
-from ..errors import CheckpointError, RootInUseError, RootNotWritableError, SaveFailedError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    RootInUseError,
+    RootNotWritableError,
+    RootUnreachableError,
+    SaveFailedError,
+)
 
 
 def describe(error: BaseException) -> str:
@@ -18,7 +25,7 @@ def describe(error: BaseException) -> str:
             cause = failure[0] if isinstance(failure, tuple) else failure
             causes.append(f"DCP rank {rank}: {type(cause).__name__}: {cause}")
         return "; ".join(causes) or str(error)
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {str(error).rstrip('.')}"
 
 
 def human_size(size: float) -> str:
@@ -61,10 +68,13 @@ def save_failed(
         detail += f" (free space where the root is: {human_size(free)})"
     where = f" on rank(s) {sorted(failed)}" if distributed else ""
     cause = own or failed[min(failed)]
+    if all(isinstance(e, ConnectionError) for e in failed.values()):
+        todo = "The storage did not answer: the next save tries again, as it is."
+    else:
+        todo = "Fix the cause (disk space, permissions, the state) and save again."
     error = SaveFailedError(
         f"the save of step {step} failed{where}: {detail}. Nothing of it was committed; `latest` "
-        f"{latest} and earlier checkpoints are untouched. Fix the cause (disk space, permissions, "
-        "the state) and save again.",
+        f"{latest} and earlier checkpoints are untouched. {todo}",
         step=step,
         path=str(root),
         cause=cause,
@@ -74,11 +84,43 @@ def save_failed(
     return error
 
 
+def unreachable(root: Loc, error: OSError, *, doing: str, step: int | None = None) -> RootUnreachableError:
+    """The error for a root whose storage does not answer (``error`` is a ``ConnectionError``)."""
+    cause, remedy = root.store.explain_error(error)
+    wrapped = RootUnreachableError(
+        f"{doing}: {root} cannot be reached: {cause}. Nothing already saved was touched; {remedy}. "
+        "This is not a configuration error: the same call can work once the storage answers again.",
+        path=str(root),
+        step=step,
+        errno=error.errno,
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def storage_error(root: Loc, error: OSError, *, doing: str) -> CheckpointError:
+    """A storage error met outside a save, as a public call raises it: storage that does not
+    answer is :class:`RootUnreachableError` (try again), any other refusal a :class:`ConfigError`
+    naming the cause (the server's code) and what to fix."""
+    if isinstance(error, ConnectionError):
+        return unreachable(root, error, doing=doing)
+    cause, remedy = root.store.explain_error(error)
+    wrapped = ConfigError(
+        f"{doing}: {root} cannot be read: {cause} ({type(error).__name__}: {error}). To fix it: {remedy}.",
+        path=str(root),
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def root_not_writable(
     root: Loc, error: OSError, *, doing: str, step: int | None = None
-) -> RootNotWritableError:
+) -> RootNotWritableError | RootUnreachableError:
     """The error for an ``OSError`` met while preparing to write ``root``: the cause, then the remedy
-    (as the root's store explains its own errors)."""
+    (as the root's store explains its own errors). Storage that does not answer is
+    :class:`RootUnreachableError`: nothing is wrong with the root itself."""
+    if isinstance(error, ConnectionError):
+        return unreachable(root, error, doing=doing, step=step)
     cause, remedy = root.store.explain_error(error)
     wrapped = RootNotWritableError(
         f"{doing}: {root} cannot be written: {cause} ({type(error).__name__}: {error}). Nothing "

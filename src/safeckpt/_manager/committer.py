@@ -44,6 +44,7 @@ from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
 from .._store.base import FILE, Lock
 from .._store.loc import Loc
+from .._util.failure_log import FailureLog
 from .._version import __version__
 from ..errors import (
     CheckpointError,
@@ -120,6 +121,7 @@ class Committer:
         self._commits_here = parts.is_leader or self._nodes.leads(parts.rank)
         self._held_back: set[int] = set()  # steps retention drops, kept for now (see prune)
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
+        self._failures = FailureLog(logger, f"the writer of {root}")
         self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
         self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
         self._node_commits = NodeCommits(layout, view, session, on_commit)
@@ -311,8 +313,10 @@ class Committer:
             moved = collect_abandoned_staging(self._layout, self._lock, only=staging_dir)
             if moved and self._deleter is not None:
                 self._deleter.run_pass()
-        except Exception as e:
-            logger.warning("safeckpt: could not clean up the failed save in %s (%s)", staging_dir, e)
+        except Exception as e:  # left for the next start or `safeckpt gc`
+            self._failures.failed(
+                "cleaning up", "could not clean up a failed save (%s): %s", staging_dir.name, e
+            )
 
     def _part_of(self, job: SaveJob, node: int) -> dict[str, Any] | None:
         """What a node's record says of its part (None with one node: the record is whole)."""

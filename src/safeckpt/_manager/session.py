@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .._dist.failures import root_not_writable
+from .._dist.failures import root_not_writable, storage_error, unreachable
 from .._format.catalog import Catalog, scan
 from .._format.layout import Layout
 from .._root.ownership import OwnedLock, Ownership, in_use_error
@@ -87,6 +87,8 @@ class RootSession:
                 self._store.make_dir(self.root.key)
                 self.ownership.claim()
                 claimed = True
+            except ConnectionError as e:  # not a root this job can use now: said before any restore
+                raise unreachable(self.root, e, doing=f"opening {self.root}") from e
             except OSError as e:  # a read-only root or snapshot: restore still works
                 error = root_not_writable(self.root, e, doing=f"opening {self.root}")
                 logger.warning("safeckpt: %s Restoring works; save() raises until this is fixed.", error)
@@ -124,12 +126,7 @@ class RootSession:
         try:
             return scan(self.root)
         except OSError as e:
-            cause, remedy = self._store.explain_error(e)
-            raise ConfigError(
-                f"{self.root} cannot be read: {cause} ({type(e).__name__}: {e}). To fix it: {remedy}; "
-                "or pass a root this user can read.",
-                path=str(self.root),
-            ) from e
+            raise storage_error(self.root, e, doing=f"opening {self.root}") from e
 
     def _take_root(self) -> None:
         """Once this manager owns the root: start-up collection, the view, the deleter."""

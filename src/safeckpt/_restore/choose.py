@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
 from .._dcp import safe_metadata
+from .._dist.failures import unreachable
 from .._format.catalog import Catalog, scan
 from .._format.checksums import read_verified
 from .._format.identity import Fate, fate_of
@@ -129,10 +130,15 @@ def as_read_error(error: BaseException, directory: Loc, record: Record) -> BaseE
     ``CheckpointException``, but safeckpt's own error (damage is one auto-resume steps over)."""
     if isinstance(error, CheckpointError):
         return error
+    if isinstance(error, ConnectionError):  # the storage, not the checkpoint: never stepped over
+        return unreachable(directory.parent, error, doing=f"reading step {record.step}", step=record.step)
     if isinstance(error, CheckpointException):
         ours = dcp_io.our_failure(error)
         if ours is not None:
             return ours
+        cut_off = dcp_io.failure_of(error, ConnectionError)
+        if cut_off is not None:
+            return as_read_error(cut_off, directory, record)
         text = f"loading step {record.step} from {directory} failed: {error}"
     elif isinstance(error, OSError):
         text = f"step {record.step} in {directory} could not be read ({type(error).__name__}: {error})"

@@ -8,12 +8,19 @@ from typing import Any
 
 from .._dcp import io as dcp_io
 from .._dcp import safe_metadata
+from .._dist.failures import storage_error
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
 from .._store.loc import Loc, as_loc, as_root
 from .._store.registry import open_store
 from .._util.gc_pause import collector_paused
-from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    UnsupportedStateError,
+)
 from .choose import read_chosen
 from .load_plan import LoadPlan, Selection
 from .put_back import ABSENT
@@ -46,6 +53,15 @@ def load(
     if storage_options is not None and not isinstance(root_or_checkpoint_dir, Loc):
         root_or_checkpoint_dir = Loc(open_store(root_or_checkpoint_dir, options=storage_options))
     top = as_root(root_or_checkpoint_dir)
+    try:
+        return _load(top, step)
+    except OSError as e:  # the storage's own failure (the checkpoint's are CheckpointErrors)
+        if isinstance(e, CheckpointError):
+            raise
+        raise storage_error(top, e, doing=f"load({top})") from e
+
+
+def _load(top: Loc, step: int | None) -> dict[Any, Any]:
     given: Loc | None = None
     if (top / RECORD_NAME).entry() is not None:
         if step is not None:

@@ -287,6 +287,7 @@ class Ownership:
         next opener takes the root over.
         """
         self._stop.set()
+        _live_claims.pop(self._token, None)  # closed: a record left behind names a dead claim
         if self._heart is not None and self._heart is not threading.current_thread():
             # Bounded: a beat stuck on unreachable storage must not hold close() up. Whatever it
             # does after this is checked under the lock, so it cannot undo the release below.

@@ -68,8 +68,9 @@ class S3Error(OSError):
 
 
 class Unreachable(S3Error, ConnectionError):
-    """Nothing answered: refused, reset or timed out after every retry, or not tried while the
-    server is known to be down. A ``ConnectionError``, so the core tells it from a refusal."""
+    """The server is not available: nothing answered (refused, reset, timed out) or it kept
+    failing (5xx, throttling) until the deadline, or not tried while it is known to be down. A
+    ``ConnectionError``, so the core tells it from a refusal and never from damage."""
 
     def __init__(self, code: str, status: int, message: str, key: str) -> None:
         super().__init__(code, status, message, key)
@@ -359,12 +360,11 @@ class Client:
 
         def unreachable(error: BaseException, down: float) -> Unreachable:
             cause = _as_os_error(error, key) if isinstance(error, Exception) else error
-            return Unreachable(
-                "Unreachable",
-                0,
-                f"{self.endpoint} has not answered for {down:.0f} s ({cause})",
-                key,
-            )
+            if getattr(cause, "status", 0):
+                how = f"kept failing ({cause.code}, {cause.status})"  # type: ignore[attr-defined]
+            else:
+                how = f"does not answer ({getattr(cause, 'code', '') or type(error).__name__})"
+            return Unreachable("Unreachable", 0, f"{self.endpoint} {how}, for {down:.0f} s so far", key)
 
         try:
             return call_with_deadline(

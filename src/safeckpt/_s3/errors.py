@@ -23,10 +23,11 @@ def explain_error(location: Location, error: OSError) -> tuple[str, str]:
             "that they may read, write and delete under the prefix; pass read_only=True for a job "
             "that only restores"
         )
-    if isinstance(error, S3Error) and error.status == 0:
-        return f"the server could not be reached ({error.strerror})", (
-            "check AWS_ENDPOINT_URL (or storage_options['endpoint_url']) and the network; requests "
-            "were retried with backoff before giving up"
+    if isinstance(error, ConnectionError) or (isinstance(error, S3Error) and error.status == 0):
+        return f"the server is not available ({error.strerror})", (
+            "check AWS_ENDPOINT_URL (or storage_options['endpoint_url']) and the network; each "
+            "request was retried for up to storage_options['timeout'] seconds, and while the server "
+            "stays down the next ones fail at once"
         )
     if code in ("SlowDown", "ServiceUnavailable", "InternalError") or (
         isinstance(error, S3Error) and error.status >= 500

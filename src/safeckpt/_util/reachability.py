@@ -8,7 +8,8 @@ makes an outage cost minutes per request, and a public call makes many. So:
   deadline run out, whichever comes first (a service that has never answered in
   this process gets a short deadline: a closed port at open is a mistake to
   report, not a blip to wait out);
-* a request that gives up because nothing answered marks the service *down*;
+* a request that gives up because nothing answered, or because the service kept
+  failing (5xx, throttling), marks the service *down*;
   while it is down, requests fail at once, except one *probe* every few seconds
   that tries once; the first answer marks it up again.
 
@@ -94,7 +95,8 @@ def call_with_deadline(
     """``attempt()`` until it succeeds, fails for good, or runs out of ``attempts`` or of
     ``deadline`` seconds (see the module doc). ``classify`` says what a failure was;
     ``unreachable(last error, seconds down)`` is what a request raises while the service is
-    down. A failure classified SILENT after the last try marks the service down."""
+    down. A request that ran out of tries while nothing answered (SILENT), or while the service
+    kept failing (RETRY: 5xx, throttling), marks it down: either way it is not available now."""
     admission = reach.admit()
     if admission is Admission.REFUSE:
         raise unreachable(ConnectionError("not tried: the service is down"), reach.down_for() or 0.0)
@@ -116,7 +118,7 @@ def call_with_deadline(
             wait = pause * (0.5 + random.random())
             final = outcome in (Outcome.DONE, Outcome.ANSWERED) or tried >= attempts
             if final or time.monotonic() + wait >= ends:
-                if outcome is Outcome.SILENT:
+                if outcome in (Outcome.SILENT, Outcome.RETRY):
                     reach.gave_up()
                     raise unreachable(e, reach.down_for() or 0.0) from e
                 raise
