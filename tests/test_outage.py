@@ -56,7 +56,10 @@ def test_a_closed_port_at_open_is_root_unreachable_not_a_config_error(s3_bucket,
         safeckpt.load(s3_bucket.url("run"))
     assert t.took < 15, t.took
     done = subprocess.run(
-        [sys.executable, "-m", "safeckpt", "ls", s3_bucket.url("run")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "safeckpt", "ls", s3_bucket.url("run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 1 and "cannot be reached" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -93,7 +96,9 @@ def test_an_outage_mid_run_ends_every_call_within_the_bound_and_loses_nothing(
     assert t.took < BOUND, t.took
     if how != "refuse":  # (a closed port records nothing) known down: no more than a probe or two
         assert len(s3_proxy.seen()) - tried <= 3, s3_proxy.seen()[tried:]
-    background = [r for r in caplog.records if r.threadName.startswith("safeckpt-") and r.levelno >= logging.WARNING]
+    background = [
+        r for r in caplog.records if r.threadName.startswith("safeckpt-") and r.levelno >= logging.WARNING
+    ]
     kinds = [r.getMessage().split(":")[1] for r in background]
     assert len(kinds) == len(set(kinds)), kinds  # one line per kind of failure, not one per try
     assert not [r for r in caplog.records if r.exc_info], "no traceback in the log"
