@@ -233,7 +233,7 @@ def test_a_lock_taken_for_a_write_proves_the_root_is_still_ours(root: Path) -> N
             pass
         record = (root / ".owner").read_text().replace(ownership.token, "theirs")
         (root / ".owner").write_text(record.replace('"host": "', '"host": "elsewhere-'))
-        with pytest.raises(RootInUseError, match="taken over by pid .* on elsewhere-"), owned:
+        with pytest.raises(RootInUseError, match=r"taken over by pid .* on elsewhere-"), owned:
             raise AssertionError("a lost root's lock is never held")
         assert not raw.held() and not ownership.claimed
         with pytest.raises(RootInUseError):  # and it stays lost
