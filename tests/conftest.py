@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fs_fixtures", "mlflow_server", "os_fixtures", "s3_proxy", "s3_server"]
+pytest_plugins = ["fs_fixtures", "mlflow_server", "os_fixtures", "s3_proxy", "s3_server", "s3rver_server"]
 
 
 @pytest.fixture

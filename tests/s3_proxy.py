@@ -19,7 +19,8 @@ And for every request until told otherwise:
 * ``edit_responses(fn)``: ``fn(headers)`` rewrites the headers of every answer (a server whose
   ``Date`` is duplicated or malformed);
 * ``strip_conditions()``: drops ``If-None-Match`` and ``If-Match`` from every request before it
-  goes upstream, as a server that ignores them would (every conditional write then succeeds).
+  goes upstream, as a server that ignores them would (every conditional write then succeeds);
+  ``strip_headers(names)`` drops the headers named.
 
 Everything the proxy sees is recorded in ``requests`` (:class:`Seen`), with whether the body that
 went upstream matches its ``x-amz-checksum-crc32`` header, so tests can assert that every data
@@ -152,7 +153,7 @@ class S3FaultProxy:
         self.down: str | None = None  # "drop" or "hang" while an outage is played (see go_down)
         self._back = threading.Event()
         self.response_editor: Callable[[list[tuple[str, str]]], list[tuple[str, str]]] | None = None
-        self.stripping = False
+        self.stripped: tuple[str, ...] = ()  # request headers dropped before they go upstream
 
     # --- lifetime ---------------------------------------------------------------------------------
 
@@ -189,7 +190,11 @@ class S3FaultProxy:
         self.response_editor = editor
 
     def strip_conditions(self, on: bool = True) -> None:
-        self.stripping = on
+        self.strip_headers(("if-none-match", "if-match") if on else ())
+
+    def strip_headers(self, names: tuple[str, ...]) -> None:
+        """Drop these request headers (lower case) before forwarding: a server that ignores them."""
+        self.stripped = tuple(n.lower() for n in names)
 
     def __enter__(self) -> S3FaultProxy:
         return self.start()
@@ -412,7 +417,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=_UPSTREAM_TIMEOUT)
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-            stripped = ("if-none-match", "if-match") if self.proxy.stripping else ()
+            stripped = self.proxy.stripped
             for name, value in self.headers.items():
                 lower = name.lower()
                 if lower not in _HOP_BY_HOP and lower != "content-length" and lower not in stripped:

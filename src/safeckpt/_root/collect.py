@@ -58,7 +58,8 @@ REMOVED = "removed"
 WOULD_REMOVE = "would remove"
 SKIPPED = "skipped"
 
-_ROOT_TEMP = (".latest.tmp.*", ".*.tmp.*")
+# ``.probe-*``: the conditional-write check of a writer killed mid-check (safeckpt._s3.conditions).
+_ROOT_TEMP = (".latest.tmp.*", ".*.tmp.*", ".probe-*")
 _STEP_TEMP = (".*.tmp.*", ".metadata.tmp")
 
 

@@ -19,7 +19,9 @@ lock raises :class:`LockTimeoutError` instead (:func:`check_held`), until a
 renewal succeeds again; a lease taken over is lost for good.
 
 Within one process the lock is reentrant per thread and excludes the other
-threads, as the local sidecar lock does.
+threads, as the local sidecar lock does. The first time a process takes it, it
+checks that the server honours conditional writes (:mod:`.conditions`), and
+refuses the root if it does not.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from types import TracebackType
 from .._util.processes import machine, pid_alive, process_start
 from ..errors import LockTimeoutError
 from .client import Client, NotFound, PreconditionFailed
+from .conditions import check_conditional_writes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class _Lease:
         self.lost = False  # taken over by another process while held
         self.released: str | None = None  # the ETag of our own released body, to take it back at once
         self.seen: tuple[str, float] | None = None  # a holder's ETag and when this process first saw it
+        self.checked = False  # the server was found to honour conditional writes (.conditions)
 
 
 _leases: dict[tuple[str, str], _Lease] = {}
@@ -143,6 +147,11 @@ class LeaseLock:
         if not state.thread_lock.acquire(timeout=self.timeout):
             raise self._timeout_error()
         try:
+            if not state.checked:  # before the lease itself: on a server that ignores conditions,
+                # nothing but the probe (removed again) is ever written
+                prefix = state.key[: len(state.key) - len(state.key.rsplit("/", 1)[-1])]
+                check_conditional_writes(state.client, prefix, state.url.rsplit("/", 1)[0])
+                state.checked = True
             self._take(deadline)
         except BaseException:
             state.thread_lock.release()
