@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from s3_server import REGION, S3Bucket, in_ci
 from server_process import ServerProcess
 
