@@ -18,6 +18,7 @@ from .._root.ownership import Ownership, live_writer
 from .._root.removal import Deleter
 from .._root.startup import take_root
 from .._store.base import DIR, Lock
+from .._store.registry import check_root
 from ..errors import ConfigError, RootNotWritableError
 from .damaged import DamagedCommits
 from .saves import Committed, SaveView
@@ -69,13 +70,7 @@ class RootSession:
         write is opened for reading, with a warning that names the cause; with
         ``read_only=True`` nothing is written and nothing is said.
         """
-        top = self.root.entry()
-        if top is not None and top.kind != DIR:
-            raise ConfigError(
-                f"{self.root} is a file, not a directory; pass the directory checkpoints go into "
-                "(it is created if missing).",
-                path=str(self.root),
-            )
+        check_root(self._store, writing=not self.read_only)  # a file, a link, or under a file
         self.lock = self._store.lock(timeout=self._lock_timeout)
         self.ownership = Ownership(self.root, self.lock)
         claimed = False

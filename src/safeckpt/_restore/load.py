@@ -11,7 +11,7 @@ from .._dcp import safe_metadata
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
 from .._store.loc import Loc, as_loc, as_root
-from .._store.registry import open_store
+from .._store.registry import check_root, open_store
 from .._util.gc_pause import collector_paused
 from ..errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UnsupportedStateError
 from .choose import read_chosen
@@ -46,6 +46,7 @@ def load(
     if storage_options is not None and not isinstance(root_or_checkpoint_dir, Loc):
         root_or_checkpoint_dir = Loc(open_store(root_or_checkpoint_dir, options=storage_options))
     top = as_root(root_or_checkpoint_dir)
+    check_root(top.store, writing=False)  # a file, or under one: said so, not "nothing to load"
     given: Loc | None = None
     if (top / RECORD_NAME).entry() is not None:
         if step is not None:

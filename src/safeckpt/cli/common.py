@@ -25,6 +25,7 @@ from rich.text import Text
 
 from .._store.base import DIR
 from .._store.loc import Loc, as_root
+from .._store.registry import check_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidSaveError, LockTimeoutError
 
 EXIT_OK = 0
@@ -134,6 +135,7 @@ def _finite(value: Any) -> Any:
 def existing_root(root: str | os.PathLike[str]) -> Loc:
     """The top of ``root``'s store; raises unless it is an existing directory."""
     top = as_root(root)
+    check_root(top.store, writing=False)  # a file, a link, or under a file: said so
     entry = top.entry()
     if entry is None:
         raise CheckpointNotFoundError(

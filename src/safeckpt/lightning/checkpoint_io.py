@@ -51,7 +51,7 @@ from .._root.removal import Deleter
 from .._store.base import Lock, Store
 from .._store.handle_file import HandleFile
 from .._store.loc import Loc
-from .._store.registry import LOCAL, open_store, scheme_of
+from .._store.registry import LOCAL, local_path, open_store, scheme_of
 from .._util.torch_private import load_lightning_file
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
 from .checkpoint_file import TEMP_NAME, CheckpointSlot
@@ -370,15 +370,13 @@ class SafeCheckpointIO(CheckpointIO):
 
     def _file(self, path: str | os.PathLike[str], storage_options: Any | None = None) -> Loc:
         """``path`` as a file in the store of its directory (that store's root is the directory)."""
-        text = os.fspath(path)
-        if text.startswith("file://"):
-            text = text[len("file://") :]
-        if scheme_of(text) == LOCAL:
+        text = local_path(path)  # a file:// URL's path; a mistyped URL is refused, never created
+        if text is not None:
             _check_storage_options(storage_options)
             local = Path(os.path.abspath(text))
             directory, name = str(local.parent), local.name
         else:
-            directory, _, name = text.rstrip("/").rpartition("/")
+            directory, _, name = os.fspath(path).rstrip("/").rpartition("/")
         with self._dirs_lock:
             root = self._roots.get(directory)
             if root is None or storage_options:
