@@ -71,7 +71,7 @@ def _parse(root: str | os.PathLike[str]) -> tuple[str, str]:
         return scheme.lower(), text
     loose = _SCHEME_LIKE.match(text)
     if loose is not None and loose.group(1).lower() in URL_SCHEMES:
-        raise _malformed(root, loose.group(1).lower(), loose.group(2))
+        raise _malformed(root, loose.group(1), loose.group(2))
     return LOCAL, text
 
 
@@ -97,8 +97,8 @@ def _not_lowercase(url: str, scheme: str) -> ConfigError:
     )
 
 
-def _malformed(root: str | os.PathLike[str], scheme: str, rest: str) -> ConfigError:
-    text = os.fsdecode(os.fspath(root))
+def _malformed(root: str | os.PathLike[str], written: str, rest: str) -> ConfigError:
+    text, scheme = os.fsdecode(os.fspath(root)), written.lower()
     if scheme == LOCAL and not rest.startswith("/"):
         what = f"a file: URL names an absolute path; write file:///ABSOLUTE/PATH, or {rest!r} itself."
     else:
@@ -108,7 +108,7 @@ def _malformed(root: str | os.PathLike[str], scheme: str, rest: str) -> ConfigEr
     merged = " (a pathlib.Path merges a URL's '//': pass a URL as a str)" if not isinstance(root, str) else ""
     served = "" if scheme in _factories else f" safeckpt has no storage for {scheme}:// roots ({_serves()})."
     return ConfigError(
-        f"{text!r} starts with the URL scheme {scheme + ':'!r} but is not a URL{merged}: {what}{served} "
+        f"{text!r} starts with the URL scheme {written + ':'!r} but is not a URL{merged}: {what}{served} "
         f"A URL is never taken for a local directory (for a directory of that name, write {'./' + text!r}).",
         path=text,
     )
