@@ -36,10 +36,20 @@ FALLBACK_TESTS := tests/test_torch_private.py tests/test_dcp_io.py tests/test_sa
 	--deselect tests/test_cli.py::test_bad_argument_is_one_line_and_a_traceback_only_when_debugging \
 	--deselect tests/test_cli_inspect.py::test_inspect_errors_are_one_line
 
-# torch first, from the pinned constraints, so nothing pulls a CUDA build.
-$(VENV)/.installed: pyproject.toml constraints/ci.txt
+# One stamp per environment, each on top of the one before: the demo's (torch, then safeckpt:
+# nothing more), the S3 demo's (a local S3 server), the tests' (the test extras). torch first,
+# from the pinned constraints, so nothing pulls a CUDA build.
+$(VENV)/.installed-demo: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints/ci.txt torch
+	$(PIP) install -q -c constraints/ci.txt -e .
+	touch $@
+
+$(VENV)/.installed-demo-s3: $(VENV)/.installed-demo
+	$(PIP) install -q -c constraints/ci.txt -e '.[demo-s3]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-demo
 	$(PIP) install -q -c constraints/ci.txt -e '.[test]'
 	touch $@
 
@@ -55,11 +65,11 @@ system-deps:
 	  else echo "fuse3 not installed and not root: FUSE tests will be skipped"; fi; \
 	fi
 
-demo: setup
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/safeckpt demo --dir $(DEMO_DIR)
 
 # The demo on an s3:// root: starts a local S3 server (moto), trains, is killed, resumes.
-demo-s3: setup
+demo-s3: $(VENV)/.installed-demo-s3
 	$(PY) scripts/demo_s3.py
 
 test: setup system-deps

@@ -123,6 +123,13 @@ SECTIONS: tuple[Section, ...] = (
         command=(PYTHON, "benchmarks/bench_state.py"),
         quick=("--size-gib", "0.1", "--reps", "3"),
     ),
+    Section(
+        key="bench_startup",
+        title="Start-up of the command",
+        command=(PYTHON, "benchmarks/bench_startup.py"),
+        quick=("--reps", "3"),
+        runs=1,  # rotated repetitions in one run, each against `import torch`; prints its own Markdown
+    ),
 )
 
 

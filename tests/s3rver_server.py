@@ -94,6 +94,7 @@ def s3rver_bucket(s3rver: S3rver, monkeypatch: pytest.MonkeyPatch) -> Iterator[S
         yield bucket
     finally:
         with contextlib.suppress(Exception):
-            for key in bucket.keys():
+            stored = bucket.keys()
+            for key in stored:
                 client.delete_object(Bucket=bucket.name, Key=key)
             client.delete_bucket(Bucket=bucket.name)

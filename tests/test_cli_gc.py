@@ -256,3 +256,29 @@ def test_gc_skips_nfs_files_still_in_use(nfs_mount: Any, capsys: pytest.CaptureF
         assert time.monotonic() < deadline, data
         time.sleep(0.05)
     assert main(["verify", str(root)]) == 0
+
+
+def test_gc_reports_the_bytes_of_an_unfinished_upload_it_removes(
+    s3_bucket: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 52: the parts of a multipart upload a killed save left are in no listing of objects,
+    # and gc reported the staging directory it removed as "0 B".
+    from safeckpt._s3.spread import shard
+
+    root = s3_bucket.url("run")
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)})
+    client = s3_bucket.client()
+    key = f"run/.staging/step_2.0123456789ab/{shard('__0_0.distcp')}/__0_0.distcp"
+    upload = client.create_multipart_upload(Bucket=s3_bucket.name, Key=key)
+    for number, size in ((1, 2000), (2, 48)):
+        client.upload_part(
+            Bucket=s3_bucket.name, Key=key, UploadId=upload["UploadId"], PartNumber=number, Body=b"p" * size
+        )
+    assert main(["gc", root, "--dry-run"]) == 0
+    assert "would free 2.0 KiB" in capsys.readouterr().out
+    assert main(["gc", root, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    [item] = [i for i in report["items"] if i["kind"] == "staging"]
+    assert (item["size"], item["action"]) == (2048, "removed") and report["bytes_freed"] == 2048
+    assert not client.list_multipart_uploads(Bucket=s3_bucket.name).get("Uploads")

@@ -80,7 +80,8 @@ def test_a_server_whose_if_match_check_is_missing_is_named_in_the_refusal(s3_pro
     s3_proxy.strip_headers(("if-match",))
     kind, message = _open_as_a_new_job(url)
     assert kind == "ConfigError" and "ignores If-Match" in message, message
-    assert not [k for k in s3_bucket.keys() if PROBE in k]
+    stored = s3_bucket.keys()
+    assert not [k for k in stored if PROBE in k]
 
 
 def test_s3rver_is_refused_to_a_writer_and_listed_by_a_reader(s3rver_bucket, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +89,8 @@ def test_s3rver_is_refused_to_a_writer_and_listed_by_a_reader(s3rver_bucket, cap
     with pytest.raises(ConfigError, match="ignores If-None-Match") as info:
         CheckpointManager(url)
     assert s3rver_bucket.endpoint_url in str(info.value)
-    assert not [k for k in s3rver_bucket.keys() if PROBE in k or k.endswith(".owner")]
+    stored = s3rver_bucket.keys()
+    assert not [k for k in stored if PROBE in k or k.endswith(".owner")]
     # A reader lists it (no probe; the unfinished-upload listing it lacks is said once, not raised).
     with caplog.at_level(logging.WARNING, logger="safeckpt"):
         with CheckpointManager(url, read_only=True) as reader:

@@ -30,6 +30,7 @@ from safeckpt import (
     CheckpointError,
     CheckpointManager,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     InvalidSaveError,
     Retention,
@@ -238,18 +239,36 @@ def test_a_hung_registrar_keeps_no_checkpoint_past_registration_timeout(root: Pa
 # --- 3. errors name their cause ------------------------------------------------------------------------
 
 
-def test_a_root_under_a_file_warns_at_open_and_save_says_why(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("where", ["a-file", "a-file/runs/ckpt"], ids=["the-root", "under-it"])
+def test_a_root_that_is_or_is_under_a_file_is_refused_at_construction(
+    tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # Issue 52: a root under a file was accepted with a warning and failed only at the first save.
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    root = blocker / "runs" / "ckpt"
-    with CheckpointManager(root, async_save=False) as mgr:
-        assert any("is a file, not a directory" in w for w in warnings_of(caplog))
-        assert mgr.restore(consistent_state(0)).step is None
-        with pytest.raises(RootNotWritableError, match=f"{blocker} is a file, not a directory"):
-            mgr.save(1, consistent_state(1))
+    root = tmp_path / where
+    said = "is a file, not a directory" if root == blocker else f"is under {blocker}, which is a file"
+    with pytest.raises(ConfigError, match=said):
+        CheckpointManager(root, async_save=False)
+    with pytest.raises(ConfigError, match=said):
+        CheckpointManager(root, read_only=True)
+    with pytest.raises(ConfigError, match=said):  # not "there is no complete checkpoint"
+        safeckpt.load(root)
+    for command in ("ls", "verify", "gc", "prune"):
+        assert main([command, str(root)]) != 0
+        assert said in capsys.readouterr().err, command
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_root_that_is_a_symbolic_link_is_refused_with_where_it_points(tmp_path: Path) -> None:
+    # A root's names are never followed through a link, the root's own neither: it used to be
+    # refused as "a file".
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    with pytest.raises(ConfigError, match="is a symbolic link to real, not a directory; pass the directory"):
+        CheckpointManager(tmp_path / "link")
+    with pytest.raises(ConfigError, match="is a symbolic link to real"):
+        safeckpt.load(tmp_path / "link")
 
 
 UNPRIVILEGED_SAVE = """

@@ -175,6 +175,31 @@ def test_two_optimizers(tmp_path: Path, held: threading.Event) -> None:
     _save_then_train(tmp_path / "r", {"model": model, "a": first, "b": second}, train, held)
 
 
+@pytest.mark.parametrize(
+    "make_fused",
+    [
+        pytest.param(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True), id="sgd-fused"),
+        pytest.param(lambda p: torch.optim.Adam(p, lr=0.1, fused=True), id="adam-fused"),
+    ],
+)
+def test_an_optimizer_outside_the_state_waits_for_the_copy_of_what_it_steps(
+    tmp_path: Path, held: threading.Event, make_fused: Callable[[Any], torch.optim.Optimizer]
+) -> None:
+    # A fused optimizer moves no version counter: the check cannot see it step a guarded parameter
+    # before its copy, so the process-wide step pre-hook must copy that parameter first.
+    model = _mlp()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)  # in the state: it guards the parameters
+    fused = make_fused(model.parameters())  # not in the state: nothing of it is hooked by name
+    _warm(_steps(model, [optim, fused]))
+    probe = model[0].weight._version
+    _steps(model, [fused])()
+    assert model[0].weight._version == probe  # what makes this case silent without the hook
+    _save_then_train(tmp_path / "r", {"model": model, "optim": optim}, _steps(model, [fused]), held)
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    assert not _global_optimizer_pre_hooks  # gone with the manager
+
+
 def _the_batchnorm_steps_fail_the_save(tmp_path: Path, held: threading.Event) -> None:
     """The BatchNorm test's save and steps, the copy held past them: the version check refuses
     the save instead of mixing two states."""
@@ -218,7 +243,14 @@ def test_each_kind_of_hook_is_needed(
             self._groups = groups
 
     monkeypatch.setattr(overlap.OverlappedCopy, "guard", one_kind)
+    if only == "module hooks":  # and no process-wide step hook, which would guard the optimizer's too
+        monkeypatch.setattr(overlap, "register_optimizer_step_pre_hook", lambda hook: _NoHandle())
     _the_batchnorm_steps_fail_the_save(tmp_path, held)
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
 
 
 def test_a_tensor_changed_by_hand_before_its_copy_fails_that_save_and_loses_nothing(

@@ -85,6 +85,9 @@ CHECKSUMS = {"__0_0.distcp": {"crc32": [[0, 6, 1], [6, 4, 2]]}, "part.bin": {"cr
         pytest.param(a_record(checksums=CHECKSUMS), id="with-checksums"),
         pytest.param(a_record(time=-3.0e7), id="before-1970"),
         pytest.param(a_record(time=1.0e17), id="beyond-gmtime"),
+        pytest.param(
+            a_record(local={"root": "s3://b/run", "root_id": "ab", "tier": "cd", "after": 3}), id="local"
+        ),
     ],
 )
 def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> None:
@@ -141,6 +144,29 @@ def test_a_checkpoint_saved_under_a_broken_clock_is_read_back(
 def test_a_time_that_is_not_finite_is_refused() -> None:
     with pytest.raises(IncompleteCheckpointError, match="not a finite number"):
         Record.from_json({**GOOD, "time": math.inf})
+
+
+def test_a_record_of_a_newer_format_is_refused_by_name_never_loaded_or_skipped(tmp_path: Path) -> None:
+    import safeckpt
+    from safeckpt.errors import NewerFormatError
+
+    root = tmp_path / "root"
+    with CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    path = root / "step_2" / RECORD_NAME
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 99}))
+    said = r"newer safeckpt \(record format 99; this one reads formats up to 2\)\. Upgrade"
+    with pytest.raises(NewerFormatError, match=said):
+        read_record(root / "step_2")
+    # Neither loaded as if it were older, nor stepped over to step 1 (training would go back).
+    with pytest.raises(NewerFormatError, match=said):
+        safeckpt.load(root)
+    with pytest.raises(NewerFormatError, match=said):
+        safeckpt.load(root, step=2)
+    with pytest.raises(NewerFormatError, match=said):  # nor written beside, pruned or resumed
+        CheckpointManager(root)
+    assert main(["ls", str(root)]) != 0
 
 
 def test_no_record_reads_as_none(ckpt: Path) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -235,20 +237,35 @@ def test_load_without_a_manager_reads_the_durable_tier(durable: str, tmp_path: P
     assert torch.equal(safeckpt.load(durable)["w"], _state(7)["w"])
 
 
-def test_a_stale_local_dir_never_rolls_the_root_back(tmp_path: Path, s3_env: Any) -> None:
-    root, old_node = str(tmp_path / "durable"), tmp_path / "node1"
-    argv = [sys.executable, str(WORKER), root, str(old_node), "before_upload"]
-    assert subprocess.run(argv, env=s3_env, capture_output=True, timeout=240).returncode == -9
-    with CheckpointManager(root, local_dir=tmp_path / "node2") as mgr:  # the job went on elsewhere
+def test_a_stale_local_dir_never_rolls_the_root_back(durable: str, tmp_path: Path, s3_env: Any) -> None:
+    """Node 1, its clock an hour ahead, commits step 3 locally and dies before its upload; node 2
+    resumes from the root at step 2 and commits 3, 4 and 5 there. Node 1's step 3 is the newest by
+    its clock, but the root moved on past it: never restored, never uploaded, kept aside."""
+    old_node = tmp_path / "node1"
+    argv = [sys.executable, str(WORKER), durable, str(old_node), "before_upload"]
+    ahead = {**s3_env, "SAFECKPT_TEST_CLOCK_AHEAD": "3600"}
+    assert subprocess.run(argv, env=ahead, capture_output=True, timeout=240).returncode == -9
+    assert _committed(old_node)[3].time > time.time() + 3000  # what the clocks say is wrong
+    with CheckpointManager(durable, local_dir=tmp_path / "node2") as mgr:  # the job went on elsewhere
         assert mgr.restore(_state(0)).step == 2
-        for step in (4, 5):
-            mgr.save(step, _state(step))
-    # Back on the first node, whose step 3 was never uploaded: older than the root's newest commit.
+        for step in (3, 4, 5):
+            mgr.save(step, _state(10 * step))
+    # Back on the first node. A reader (it moves nothing) takes the root's newest commit.
     restored = _state(0)
-    with CheckpointManager(root, local_dir=old_node) as mgr:
+    with CheckpointManager(durable, local_dir=old_node, read_only=True) as mgr:
         assert mgr.restore(restored).step == 5
-    assert torch.equal(restored["w"], _state(5)["w"])
-    assert 3 not in _committed(root) and (Path(root) / "latest").resolve().name == "step_5"
+    assert torch.equal(restored["w"], _state(50)["w"])
+    # A writer sets the stale step 3 aside (with a note) and uploads nothing over the root's.
+    restored = _state(0)
+    with CheckpointManager(durable, local_dir=old_node) as mgr:
+        assert mgr.restore(restored).step == 5
+        assert 3 not in {c.step for c in mgr.checkpoints()}  # not counted either
+    assert torch.equal(restored["w"], _state(50)["w"])
+    assert torch.equal(safeckpt.load(durable)["w"], _state(50)["w"])
+    assert torch.equal(safeckpt.load(durable, step=3)["w"], _state(30)["w"])  # node 2's step 3
+    aside = list((old_node / ".damaged").glob("step_3.*"))
+    assert len(aside) == 1 and json.loads((aside[0] / "damaged.json").read_text())["behind"] is True
+    assert 3 not in _committed(old_node)
 
 
 def test_a_local_copy_damaged_before_its_upload_is_dropped_and_the_next_ones_go_up(
@@ -445,3 +462,106 @@ def test_safeckpt_upload_refuses_one_nodes_parts_and_leaves_them(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"one node's parts of step\(s\) 1"):
         upload_local(root, local)
     assert json.loads(record_path.read_text()) == record
+
+
+@pytest.mark.parametrize("other", ["another root", "the root made again"])
+def test_a_local_dir_holding_another_roots_checkpoints_is_refused_and_left_as_it_is(
+    request: pytest.FixtureRequest, durable: str, tmp_path: Path, other: str
+) -> None:
+    """Run A's steps in a local_dir are never restored, uploaded or counted by run B, whose root is
+    another (or A's, removed and made again): B is refused at construction, saying what to do."""
+    local = tmp_path / "local"
+    first = str(tmp_path / "a") if other == "another root" else durable
+    with CheckpointManager(first, local_dir=local, local_retention=Retention(keep_last=3)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    if other == "the root made again":
+        _remove(request, durable)
+    before = {s: r.checksums for s, r in _committed(local).items()}
+    said = r"holds step\(s\) 1, 2, 3 of another root.*give this run a local_dir of its own"
+    with pytest.raises(ConfigError, match=said):
+        CheckpointManager(durable, local_dir=local)
+    assert not _committed(durable)  # nothing of A's went up to B's root
+    assert {s: r.checksums for s, r in _committed(local).items()} == before  # nor was touched
+    for step in (1, 2, 3):  # once A's steps are gone, B starts fresh there
+        shutil.rmtree(local / f"step_{step}")
+    with CheckpointManager(durable, local_dir=local) as mgr:
+        assert mgr.restore(_state(0)).step is None
+        mgr.save(1, _state(11))  # not refused as "already saved"
+        mgr.wait(durable=True)
+    assert torch.equal(safeckpt.load(durable)["w"], _state(11)["w"])
+
+
+def _remove(request: pytest.FixtureRequest, root: str) -> None:
+    """Remove a root: its directory, or every object under its S3 prefix."""
+    if "://" not in root:
+        shutil.rmtree(root)
+        return
+    bucket = request.getfixturevalue("s3_bucket")
+    prefix = root.removeprefix(bucket.url("")).strip("/") + "/"
+    client = bucket.client()
+    for key in [k for k in bucket.keys() if k.startswith(prefix)]:  # noqa: SIM118 (a listing, not a dict)
+        client.delete_object(Bucket=bucket.name, Key=key)
+
+
+def test_steps_whose_local_copies_are_removed_while_the_root_is_down_are_named_by_wait_durable(
+    s3_proxy: Any, s3_bucket: Any, tmp_path: Path
+) -> None:
+    root, local = s3_bucket.url("lost"), tmp_path / "local"
+    s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
+    options = {"max_attempts": 1, "connect_timeout": 5, "read_timeout": 5}  # 503s come at once
+    with CheckpointManager(root, local_dir=local, storage_options=options, retry_interval=0.05) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        shutil.rmtree(local)  # while both wait for the root
+        s3_proxy.clear()
+        with pytest.raises(SaveFailedError, match=r"step\(s\) 1, 2 could not be uploaded.*were removed"):
+            mgr.wait(durable=True)
+        mgr.wait(durable=True)  # each is named once
+    assert not _committed(root)
+
+
+def test_steps_whose_local_copies_are_removed_while_their_upload_waits_are_named_by_wait_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from safeckpt._manager import durable as durable_module
+
+    uploading, removed = threading.Event(), threading.Event()
+    copy = durable_module.copy_checkpoint
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # the first upload waits until local_dir is gone
+        uploading.set()
+        assert removed.wait(60)
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(durable_module, "copy_checkpoint", held)
+    root, local = tmp_path / "durable", tmp_path / "local"
+    with CheckpointManager(root, local_dir=local) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+        assert uploading.wait(60)
+        shutil.rmtree(local)
+        removed.set()
+        with pytest.raises(SaveFailedError, match=r"step\(s\) 1, 2 could not be uploaded.*were removed"):
+            mgr.wait(durable=True)
+    assert not _committed(root)
+
+
+@pytest.mark.parametrize("where", ["the directory", "a directory inside it"])
+def test_a_local_dir_that_cannot_be_written_is_refused_at_construction(
+    tmp_path: Path, read_only_bind: Any, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    read_only_bind(frozen)
+    local = frozen if where == "the directory" else frozen / "exp1"
+    refused = r"local_dir=.* cannot be written"
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match=refused):
+        CheckpointManager(tmp_path / "durable", local_dir=local)
+    assert "was removed" not in caplog.text and not caplog.records  # refused before any warning
+    with CheckpointManager(tmp_path / "durable", local_dir=local, read_only=True) as mgr:
+        assert mgr.restore(_state(0)).step is None  # a reader needs no write

@@ -178,6 +178,7 @@ _KNOWN = {
     "_traverse",
     "_StorageInfo",
     "_StoragePrefix",
+    "_find_last_checkpoints",
 }
 # Module-level names under which src imports torch and its parts.
 _TORCH_NAMES = {"torch", "dist", "dcp", "nn", "pl", "lightning", "dcp_metadata", "DTensor", "SavePlanner"}

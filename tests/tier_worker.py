@@ -11,6 +11,9 @@ each upload before the next save, and dies at ``POINT`` of step 3:
 * ``durable_commit``: every file and the record in the durable tier, before the commit;
 * ``after_durable_commit``: committed in the durable tier, before the local copy is marked.
 * ``none``: no kill; the run closes normally.
+
+``SAFECKPT_TEST_CLOCK_AHEAD=<seconds>`` in the environment sets this process's clock ahead (a host
+whose clock is wrong): every time it writes is that much later than the other hosts'.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -92,8 +96,16 @@ def _arm(point: str) -> None:
         raise SystemExit(f"unknown point {point!r}")
 
 
+def _skew_clock() -> None:
+    ahead = float(os.environ.get("SAFECKPT_TEST_CLOCK_AHEAD", "0"))
+    if ahead:
+        real = time.time
+        time.time = lambda: real() + ahead  # type: ignore[assignment]
+
+
 def main() -> None:
     root, local, point = sys.argv[1], sys.argv[2], sys.argv[3]
+    _skew_clock()
     _arm(point)
     state = {"w": torch.zeros(1 << 16)}
     with CheckpointManager(

@@ -16,10 +16,7 @@ import os
 import pickle
 import threading
 from collections.abc import Iterator
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from typing import TYPE_CHECKING, Any
 
 from .._format import kept
 from .._format.checksums import FileChecksum, parse_checksums, read_verified
@@ -29,6 +26,9 @@ from .._store.loc import Loc, as_loc
 from .._util.forksafe import reset_in_child
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 from . import options
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ _ALLOWED_GLOBALS: set[tuple[str, str]] = {
 
 
 def _is_dcp_metadata_class(module: str, name: str) -> bool:
+    # torch is imported where a .metadata is read, not with this module: `safeckpt ls` needs none
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     if module != dcp_metadata.__name__:
         return False
     obj = getattr(dcp_metadata, name, None)
@@ -64,6 +67,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if (module, name) in _ALLOWED_GLOBALS or _is_dcp_metadata_class(module, name):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -121,6 +126,8 @@ def read_metadata(
 
 
 def _unpickle_metadata(raw: bytes, path: Loc) -> dcp_metadata.Metadata:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     try:
         metadata = RestrictedUnpickler(io.BytesIO(raw), source=str(path)).load()
     except UnsafeCheckpointError:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from .._store.loc import Loc
 from ..errors import (
     CheckpointError,
@@ -19,6 +17,9 @@ from ..errors import (
 
 def describe(error: BaseException) -> str:
     """One line for an error; DCP's CheckpointException is unwrapped to each rank's cause."""
+    # here, not at the top: the CLI's tables use human_size() and must not import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException):
         causes = []
         for rank, failure in sorted(error.failures.items()):

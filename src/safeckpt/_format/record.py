@@ -22,7 +22,7 @@ from typing import Any
 from .._store.base import FILE, Lock
 from .._store.loc import Loc, as_loc
 from .._version import __version__
-from ..errors import IncompleteCheckpointError, InvalidSaveError, UnsafeCheckpointError
+from ..errors import IncompleteCheckpointError, InvalidSaveError, NewerFormatError, UnsafeCheckpointError
 from . import kept
 from .layout import RECORD_NAME
 
@@ -63,6 +63,10 @@ class Record:
     """With a local tier on each node's own disk: this node's part of the save (``id``, the same on
     every node; ``node``; ``nodes``). Its ``files`` are those this node's ranks wrote; the
     checkpoint is whole in the local tier when every node holds its part of one ``id``."""
+    local: Mapping[str, Any] | None = None
+    """With two tiers, on a local commit: the durable root it was saved for (``root``, ``root_id``),
+    the local directory's identity (``tier``) and the root's newest commit when it was saved
+    (``after``, its ``seq``); see :mod:`safeckpt._format.lineage`. None on the durable copy."""
 
     @property
     def part_id(self) -> str | None:
@@ -89,6 +93,7 @@ class Record:
             "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
             **({} if self.uploaded is None else {"uploaded": dict(self.uploaded)}),
             **({} if self.part is None else {"part": dict(self.part)}),
+            **({} if self.local is None else {"local": dict(self.local)}),
         }
 
     @classmethod
@@ -98,6 +103,7 @@ class Record:
         Everything is checked before it is used (a record is untrusted input): types, a finite
         time, file names inside the checkpoint, and that the step is the directory's.
         """
+        _refuse_newer(data, path)
         try:
             if not isinstance(data, dict):
                 raise TypeError("not a JSON object")
@@ -143,6 +149,7 @@ class Record:
                 seq=None if seq is None else _int(seq),
                 uploaded=_optional_dict(data.get("uploaded")),
                 part=_optional_dict(data.get("part")),
+                local=_optional_dict(data.get("local")),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(
@@ -166,6 +173,19 @@ class Record:
     @property
     def size(self) -> int:
         return sum(self.files.values())
+
+
+def _refuse_newer(data: Any, path: str) -> None:
+    """A record of a newer format is refused before anything in it is read: its fields may mean
+    what this safeckpt does not know, and skipping it would silently resume from an older step."""
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"the record {path} was written by a newer safeckpt (record format {version}; this one "
+            f"reads formats up to {FORMAT_VERSION}). Upgrade safeckpt to read this root; nothing in "
+            "it is read, resumed from or pruned as if it were older.",
+            path=path,
+        )
 
 
 def utc_iso(seconds: float) -> str | None:

@@ -94,11 +94,13 @@ class Committer:
         holds: Callable[[], frozenset[int]] | None = None,
         make_room: Callable[[int], None] | None = None,
         nodes: Nodes | None = None,
+        stamp: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         """``on_commit``: told about each commit (rank 0, after it); ``holds``: steps that pruning
         keeps for now (local commits not uploaded yet); ``make_room``: called with the step before
         a save writes (rank 0), to free space for it. ``nodes``: with a local tier on each node's
-        disk, each node's leader commits its node's part there (and is "rank 0" above for it)."""
+        disk, each node's leader commits its node's part there (and is "rank 0" above for it).
+        ``stamp``: what each record says of the durable root of a local tier (``Record.local``)."""
         self.root = root
         self.retention = retention
         self.policy = with_pinned(retention)
@@ -116,6 +118,7 @@ class Committer:
         self._on_commit = on_commit
         self._make_room = make_room
         self._holds = holds
+        self._stamp = stamp
         self._nodes = nodes if nodes is not None else Nodes.one(parts.world_size)
         # This rank commits, prunes and cleans up in this root: rank 0, or its node's leader.
         self._commits_here = parts.is_leader or self._nodes.leads(parts.rank)
@@ -370,6 +373,7 @@ class Committer:
                 checksums=sums,
                 seq=self._view.take_seq(),
                 part=part,
+                local=None if self._stamp is None else self._stamp(),
             )
             write_record(job.staging_dir, record, self._lock)
             self._store.make_dir(layout.trash.key)

@@ -6,6 +6,12 @@ upload commits with the same protocol as a save made here directly (its files
 into ``.staging/``, the record, the one commit point, then ``latest``), and its
 record says when it was uploaded and from where. This root has its own
 retention, its own owner record and lock, and its own deleter.
+
+The root has an identity, written in it once (:mod:`safeckpt._format.lineage`),
+which every local commit records: a local directory holding another root's
+commits is refused at start, and a local commit the root has moved on past (it
+holds commits made elsewhere since the one the local copy followed) is never
+uploaded over them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
+from .._format import lineage
 from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, RECORD_NAME, REPLACED, Layout, step_dirname
 from .._format.record import Record, amend_record, read_record, same_checkpoint, write_record
@@ -28,7 +35,9 @@ from .._root.removal import collect_abandoned_staging
 from .._store.base import Store
 from .._store.loc import Loc
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
@@ -61,6 +70,10 @@ LOCAL_COPY_BAD = (
 )
 
 
+class BehindRootError(CheckpointError):
+    """A local commit the durable root has moved on past: never uploaded over the root's commits."""
+
+
 class DurableTier:
     """Rank 0's hold on the durable root. Call rules: :meth:`open` once; :meth:`upload` from one
     thread at a time (the upload thread, or start-up before it runs)."""
@@ -80,6 +93,7 @@ class DurableTier:
         self._is_leader = parts.is_leader
         self.run = ""  # this run's id, the same on every rank (see node_parts.area_of)
         self.root = self.layout.root.where
+        self.identity: str | None = None  # written in the root once (see _format.lineage)
         self.view = SaveView()
         self.session = RootSession(
             self.layout,
@@ -106,8 +120,72 @@ class DurableTier:
         )
 
     def open(self) -> None:
+        """Rank 0: hold the root as a manager holds its own, and know its identity (written now
+        by the root's writer where it has none)."""
         self.session.keep_staging = lambda name: of_run(name, self.run)
         self.session.open()
+        ownership, lock = self.session.ownership, self.session.lock
+        if ownership is not None and ownership.claimed and lock is not None:
+            try:
+                self.identity = lineage.ensure_root_id(self.layout.root, lock)
+                return
+            except OSError as e:  # as a root that cannot be written: its uploads fail and say why
+                logger.info("safeckpt: could not write the identity of %s (%s)", self.root, e)
+        self.identity = lineage.read_root_id(self.layout.root)
+
+    def read_identity(self) -> None:
+        """Another node's leader (which does not hold the root): the root's identity as it is."""
+        self.identity = lineage.read_root_id(self.layout.root)
+
+    def stamp(self, tier: str | None) -> dict[str, object]:
+        """What a local commit of local directory ``tier`` records of this root now (see
+        :mod:`safeckpt._format.lineage`); ``after`` only where this rank holds the root's view."""
+        newest = self.newest() if self._is_leader else None
+        after = (newest.record.seq or 0) if newest is not None else (0 if self._is_leader else None)
+        return lineage.stamp(str(self.root), self.identity, tier, after)
+
+    def refuse_others(self, local_root: Loc, committed: list[Record]) -> None:
+        """A ``ConfigError`` when ``local_root`` holds commits saved for another durable root:
+        they would be restored, uploaded and counted as this run's."""
+        others = sorted(
+            (r for r in committed if not lineage.belongs(r, str(self.root), self.identity)),
+            key=lambda r: r.step,
+        )
+        if not others:
+            return
+        steps = ", ".join(str(r.step) for r in others)
+        where = sorted({str(lineage.root_of(r)) for r in others})
+        waiting = [r.step for r in others if r.uploaded is None]
+        raise ConfigError(
+            f"local_dir={local_root.where} holds step(s) {steps} of another root ({', '.join(where)}; "
+            f"this run's root is {self.root}, or one removed and made again there). A local_dir "
+            "belongs to one root: give this run a local_dir of its own, or remove that run's steps "
+            "from it"
+            + (
+                f" (step(s) {', '.join(map(str, waiting))} were never uploaded: `safeckpt upload "
+                f"{where[0]} --local-dir {local_root.where}` uploads them first)."
+                if waiting
+                else " (each was uploaded to its root, so removing them loses nothing)."
+            ),
+            path=str(local_root.where),
+        )
+
+    def moved_on(self, record: Record) -> Committed | None:
+        """This root's commit that the local commit ``record`` is behind (see
+        :func:`safeckpt._format.lineage.moved_on`), or None. Rank 0, which holds the root's view."""
+        committed = {id(c.record): c for c in self.view.committed()}
+        found = lineage.moved_on(record, [c.record for c in committed.values()])
+        return None if found is None else committed[id(found)]
+
+    def behind_error(self, source: Loc, record: Record, newer: Committed) -> BehindRootError:
+        return BehindRootError(
+            f"step {record.step} in {source.parent.where} was saved from an earlier state of "
+            f"{self.root}, which has moved on since without it (it holds step {newer.record.step}, "
+            "committed from another node or job after the commit this copy followed): uploading it "
+            "would roll the root back",
+            path=str(source.where),
+            step=record.step,
+        )
 
     def holds(self, record: Record) -> Committed | None:
         """This root's commit of the same checkpoint (same step and bytes; for a node's part, of the
@@ -130,6 +208,10 @@ class DurableTier:
         if record.part is not None:
             return self._upload_part(source, record, should_stop=should_stop)
         self.session.ensure_writer(f"uploading step {record.step}")
+        self._identify()
+        newer = self.moved_on(record)  # the view as this writer holds it (taken anew at a claim)
+        if newer is not None:
+            raise self.behind_error(source, record, newer)
         staging = self.layout.staging_dir(record.step, uuid.uuid4().hex[:12])
         try:
             copy_checkpoint(source, record, staging, should_stop=should_stop)
@@ -148,6 +230,11 @@ class DurableTier:
         area = area_of(self.layout, record, self.run)
         if self._is_leader:
             self.session.ensure_writer(f"uploading step {record.step}")
+            self._identify()
+            newer = self.moved_on(record)
+            if newer is not None:
+                self._discard(area)  # the other nodes see the save dropped
+                raise self.behind_error(source, record, newer)
         if not has_marker(area, record) and (area / RECORD_NAME).entry() is None:
             try:
                 copy_checkpoint(source, record, area, should_stop=should_stop)
@@ -167,6 +254,11 @@ class DurableTier:
         self._prune_after(record.step)
         return committed
 
+    def _identify(self) -> None:
+        """The root's identity, written by this writer where it has none (a claim made mid-run)."""
+        if self.identity is None and self.session.lock is not None:
+            self.identity = lineage.ensure_root_id(self.layout.root, self.session.lock)
+
     def _prune_after(self, step: int) -> None:
         try:
             self._pruner.prune()
@@ -184,6 +276,7 @@ class DurableTier:
         lock = self.session.lock
         assert lock is not None
         store, target = self.layout.store, self.layout.step_dir(record.step)
+        local = parts_of if parts_of is not None else record  # the local commit this is the upload of
         with lock:
             durable = dataclasses.replace(
                 record,
@@ -193,9 +286,13 @@ class DurableTier:
                 uploaded={
                     "at": time.time(),
                     "from": str(source.where),
+                    # which local directory's commit this is the upload of (see _format.lineage)
+                    "tier": (local.local or {}).get("tier"),
+                    "seq": local.seq,
                     **({} if parts_of is None else {"id": parts_of.part_id}),
                 },
                 part=None,
+                local=None,
             )
             try:
                 write_record(staging, durable, lock)

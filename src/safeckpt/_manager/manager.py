@@ -32,7 +32,7 @@ from .._policy.retention import Policy, Retention, is_policy
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._restore.restored import Restored
-from .._store.registry import open_store
+from .._store.registry import local_path, open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
 from .durable import DurableTier
@@ -535,13 +535,14 @@ class CheckpointManager:
 
 def _local_dir(local_dir: str | os.PathLike[str], root: Path | str) -> Path:
     text = os.fspath(local_dir)
-    if "://" in text:
+    local = local_path(text)  # a file:// URL's path; a mistyped URL is refused, never created
+    if local is None:
         raise ConfigError(
             f"local_dir={text!r} is a URL; it must be a directory on this machine's disk (the fast "
             "tier). The durable tier is the root.",
             path=text,
         )
-    path = Path(text).absolute()
+    path = Path(local).absolute()
     if isinstance(root, Path):  # a local root (a store names a URL root as a str)
         durable = root
         if path == durable or durable in path.parents or path in durable.parents:

@@ -6,7 +6,9 @@ leads it: it commits, prunes and uploads that node's local copies. Found at
 start, not assumed from the launcher's topology: every rank writes a probe into
 its ``local_dir``, and every rank reports which probes it sees. Sharing must be
 all or nothing within a node; anything else (a directory some ranks of a node
-see and others do not) is a :class:`ConfigError` on every rank.
+see and others do not) is a :class:`ConfigError` on every rank, and so is a
+``local_dir`` that cannot be written (every save commits there first): refused
+at construction, not at the first ``save()``.
 """
 
 from __future__ import annotations
@@ -46,23 +48,44 @@ class Nodes:
 
 def find_nodes(store: Store, parts: Participants, *, read_only: bool) -> Nodes:
     """Collective: the nodes of ``parts``' ranks, from what each rank sees in its ``local_dir``
-    (``store``). A reader writes no probe: it is one node (each rank checks its own files)."""
-    if not parts.distributed or read_only:
+    (``store``). A reader writes no probe: it is one node (each rank checks its own files).
+    A ``local_dir`` a rank cannot write is a :class:`ConfigError` on every rank."""
+    if read_only:
         return Nodes.one(parts.world_size)
-    token = parts.broadcast(uuid.uuid4().hex[:12], parts.control, what="the local_dir probe")
+    token = uuid.uuid4().hex[:12]
+    if parts.distributed:
+        token = parts.broadcast(token, parts.control, what="the local_dir probe")
     mine = _PROBE.format(token=token, rank=parts.rank)
     error: BaseException | None = None
     try:
         store.make_dir("")
         store.write_atomic(mine, mine.encode())
     except OSError as e:
-        error = e
+        error = _not_writable(store, e)
+    if not parts.distributed:
+        if error is not None:
+            raise error
+        with contextlib.suppress(OSError):
+            store.remove(mine)
+        return Nodes.one(parts.world_size)
     parts.agree(error, parts.control, what="writing a probe into local_dir")
     seen = [_sees(store, _PROBE.format(token=token, rank=r)) for r in range(parts.world_size)]
     sees = parts.gather(seen, parts.control, what="reading the local_dir probes")
     with contextlib.suppress(OSError):
         store.remove(mine)
     return _grouped(sees, store.where(""))
+
+
+def _not_writable(store: Store, error: OSError) -> ConfigError:
+    cause, remedy = store.explain_error(error)
+    refused = ConfigError(
+        f"local_dir={store.where('')} cannot be written: {cause} ({type(error).__name__}: {error}). "
+        f"Every save commits there first. To fix it: {remedy}; or pass a local_dir this user can "
+        "write (or read_only=True, to only restore).",
+        path=str(store.where("")),
+    )
+    refused.__cause__ = error
+    return refused
 
 
 def _sees(store: Store, name: str) -> bool:

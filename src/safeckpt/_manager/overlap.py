@@ -12,7 +12,12 @@ by the hook that runs before the first change it can see:
   waits for) them; a submodule with buffers of its own guards those (its
   forward may run without its parent's, e.g. a block called by hand);
 * any other tensor (one no hook can guard: a plain tensor, a parameter no
-  optimizer in the state steps) is copied before ``save()`` returns.
+  optimizer in the state steps) is copied before ``save()`` returns;
+* and any optimizer's step, one of the state's or not, first copies (or waits
+  for) the groups whose tensors it steps: a process-wide step pre-hook. A fused
+  optimizer (``fused=True``) changes its tensors without moving their version
+  counters, so the check below could not see an optimizer outside the state
+  stepping a guarded parameter.
 
 Whoever comes first copies a guarded group: the thread or the hook, under the
 group's lock, so the checkpoint holds each tensor as it was when ``save()`` was
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._state.walk import Captured
 from .._util.torch_private import foreach_copy_
@@ -63,6 +69,7 @@ class _Group:
     what: str
     copies: list[_Copy]
     owners: list[Any]  # the optimizer, or the module and the state's module above it: hooked
+    storages: set[int] = field(default_factory=set)  # of its tensors (see _storage_key)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
     event: Any = None  # CUDA: when its copies are done
@@ -97,6 +104,9 @@ class OverlappedCopy:
                 self._handles.append(owner.register_step_pre_hook(self._hook(groups)))
             else:  # first: a hook registered before (spectral norm's) may change a buffer
                 self._handles.append(owner.register_forward_pre_hook(self._hook(groups), prepend=True))
+        if self._groups:  # any other optimizer: one outside the state may step a guarded tensor
+            hooked = {key for key, (owner, _) in by_owner.items() if isinstance(owner, torch.optim.Optimizer)}
+            self._handles.append(register_optimizer_step_pre_hook(self._any_step(frozenset(hooked))))
 
     def start(self, copier: Copier) -> None:
         if not self._groups:
@@ -130,6 +140,20 @@ class OverlappedCopy:
         def before(*_: Any) -> None:
             for group in groups:
                 if not group.done or (group.event is not None and not group.waited):
+                    self._copy(group, on_training_thread=True)
+
+        return before
+
+    def _any_step(self, hooked: frozenset[int]) -> Callable[..., None]:
+        def before(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            if id(optimizer) in hooked:
+                return  # the state's own: its hook copies its groups
+            pending = [g for g in self._groups if not g.done or (g.event is not None and not g.waited)]
+            if not pending:
+                return
+            stepped = {_storage_key(t) for t in _stepped(optimizer)}
+            for group in pending:
+                if not group.storages.isdisjoint(stepped):
                     self._copy(group, on_training_thread=True)
 
         return before
@@ -223,6 +247,13 @@ class Copier:
             pending._run()
 
 
+def _stepped(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    """The tensors ``optimizer``'s step changes: its parameters and its own state."""
+    yield from (p for group in optimizer.param_groups for p in group["params"])
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
     return f"the step pre-hook of {type(optimizer).__name__} at {id(optimizer):#x}"
 
@@ -252,11 +283,7 @@ def plan_copy(
     for optimizer in optimizers:
         what = _optimizer_name(optimizer)
         owners[what] = [optimizer]
-        claim((p for group in optimizer.param_groups for p in group["params"]), what)
-        claim(
-            (v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)),
-            what,
-        )
+        claim(_stepped(optimizer), what)
     for module in modules:
         for owner in module.modules():
             own = [b for b in owner.buffers(recurse=False) if b is not None]
@@ -280,6 +307,7 @@ def plan_copy(
         if what not in groups:
             groups[what] = _Group(what, [], owners[what])
         groups[what].copies.append(_Copy(key, local, target, local._version))
+        groups[what].storages.add(storage)
     # Buffers first: the next forward needs them before the step needs the optimizer's tensors.
     ordered = sorted(groups.values(), key=lambda g: isinstance(g.owners[0], torch.optim.Optimizer))
     return now, ordered

@@ -19,7 +19,8 @@ from .._root.ownership import OwnedLock, Ownership, in_use_error
 from .._root.removal import Deleter
 from .._root.startup import take_root
 from .._store.base import DIR, Lock
-from ..errors import ConfigError, RootInUseError, RootNotWritableError
+from .._store.registry import check_root
+from ..errors import RootInUseError, RootNotWritableError
 from .damaged import DamagedCommits
 from .saves import Committed, SaveView
 
@@ -71,13 +72,7 @@ class RootSession:
         reading, with a warning that names the cause; with ``read_only=True`` nothing is
         written, nothing is claimed and nothing is said.
         """
-        top = self.root.entry()
-        if top is not None and top.kind != DIR:
-            raise ConfigError(
-                f"{self.root} is a file, not a directory; pass the directory checkpoints go into "
-                "(it is created if missing).",
-                path=str(self.root),
-            )
+        check_root(self._store, writing=not self.read_only)  # a file, a link, or under a file
         raw = self._store.lock(timeout=self._lock_timeout)
         self.ownership = Ownership(self.root, raw)
         self.lock = OwnedLock(raw, self.ownership)

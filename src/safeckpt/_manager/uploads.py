@@ -13,6 +13,10 @@ bytes fail their checksums, or it was replaced or removed meanwhile) is
 dropped from the queue with an error, so it does not hold the others back. A
 commit the durable root already holds (the same step and bytes: a crash came
 between its durable commit and the local mark) is marked, never uploaded twice.
+A local commit the durable root has moved on past (another node committed there
+since the state it was saved from) is never uploaded: it is set aside, with a
+warning. Every step that will never be durable (damaged, removed, set aside) is
+named once by the next ``wait(durable=True)``.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import time
 from collections import deque
 
 from .._format.identity import Fate, fate_of
+from .._format.layout import Layout
 from .._format.record import amend_record, read_record
 from .._root.copy import CopyStopped
+from .._root.withdraw import set_aside
 from .._store.base import Lock
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     SaveFailedError,
 )
-from .durable import LOCAL_COPY_BAD, DurableTier
+from .durable import LOCAL_COPY_BAD, BehindRootError, DurableTier
 from .leader_wait import Heartbeat
 from .node_parts import PartsNotIn
 from .saves import Committed, SaveView
@@ -40,6 +46,11 @@ logger = logging.getLogger("safeckpt.manager")
 
 _MAX_PAUSE = 30.0  # between tries while the durable tier cannot be reached
 _BACKLOG_WARNING = 3  # local commits waiting before the warning says the backlog grows
+
+# Why a step will never be durable (see take_lost).
+DAMAGED = "damaged"
+REMOVED = "removed"
+BEHIND = "behind"
 
 
 class Uploader:
@@ -59,7 +70,9 @@ class Uploader:
         self._queue: deque[Committed] = deque()
         self._current: Committed | None = None  # the entry being uploaded (the queue's head)
         self._dropped: set[tuple[int, int | None]] = set()  # (step, seq) never to be uploaded
-        self._lost: list[int] = []  # steps dropped as damaged, not yet told to wait(durable=True)
+        # Steps that will never be durable, and why (DAMAGED, REMOVED, BEHIND), not yet told to
+        # wait(durable=True).
+        self._lost: list[tuple[int, str]] = []
         self._cond = threading.Condition()
         self._wake = threading.Event()  # cuts a pause short: close(), or a wait for durability
         self._closed = False
@@ -91,6 +104,17 @@ class Uploader:
                 last,
             )
 
+    def set_aside_behind(self, committed: list[Committed], local: Layout) -> None:
+        """At start (rank 0, holding the local root): move the local commits the durable root has
+        moved on past out of the run's way (see :func:`set_aside`): never uploaded, restored or
+        counted, kept for a look. Each is said in a warning."""
+        for c in sorted(committed, key=lambda c: c.record.seq or 0):
+            if c.record.uploaded is None and c.record.part is None:
+                newer = self._durable.moved_on(c.record)
+                if newer is not None:
+                    error = self._durable.behind_error(c.path, c.record, newer)
+                    self._set_aside(c, error, local, tell=False)  # an earlier run's: warned now
+
     def upload_earlier(
         self,
         committed: list[Committed],
@@ -102,12 +126,11 @@ class Uploader:
         """At start: upload the local commits an earlier run left without an upload, before training
         goes on; if the durable tier cannot be reached, they wait in the queue (with a warning).
 
-        One older than the durable root's newest commit is not uploaded: this local directory is
-        behind the run (the job went on elsewhere), and uploading it would roll the root back.
-        ``heartbeat``: as for :meth:`wait`. With a part on each node: ``whole``, the saves every
-        node holds a part of (the others are never uploaded); ``wait=False`` queues without waiting
-        (a node's leader: rank 0 waits, for the commits)."""
-        newest = self._durable.newest()
+        One the durable root has moved on past is not uploaded (:meth:`set_aside_behind` moved
+        it out of the way first, where it could). ``heartbeat``: as for :meth:`wait`. With a part
+        on each node: ``whole``, the saves every node holds a part of (the others are never
+        uploaded); ``wait=False`` queues without waiting (a node's leader: rank 0 waits, for the
+        commits)."""
         waiting = []
         for c in sorted(committed, key=lambda c: (c.record.seq or 0, c.record.step)):
             if c.record.uploaded is not None:
@@ -115,22 +138,21 @@ class Uploader:
             if c.record.part_id is not None and (whole is None or c.record.part_id not in whole):
                 logger.warning(
                     "safeckpt: step %d in %s was never uploaded, and not every node holds its part of "
-                    "that save (a node's disk was replaced, or the save was cut short): it is not "
-                    "uploaded; local retention removes it",
-                    c.record.step,
-                    c.path.parent,
-                )
-                self._dropped.add((c.record.step, c.record.seq))
-                continue
-            if self.behind(c, newest):
-                logger.warning(
-                    "safeckpt: step %d in %s was never uploaded, but %s has newer commits (up to step %d): "
-                    "this local directory is behind the run, so it is not uploaded; local retention "
-                    "removes it",
+                    "that save (a node's disk was replaced, the save was cut short, or %s has moved on "
+                    "past it): it is not uploaded; local retention removes it",
                     c.record.step,
                     c.path.parent,
                     self._durable.root,
-                    newest.record.step if newest is not None else None,
+                )
+                self._dropped.add((c.record.step, c.record.seq))
+                continue
+            if c.record.part_id is None and self.behind(c):
+                logger.warning(
+                    "safeckpt: step %d in %s was never uploaded, but %s has moved on past it: it is "
+                    "not uploaded",
+                    c.record.step,
+                    c.path.parent,
+                    self._durable.root,
                 )
                 self._dropped.add((c.record.step, c.record.seq))
                 continue
@@ -153,16 +175,9 @@ class Uploader:
                 self._last_error,
             )
 
-    def behind(self, c: Committed, newest: Committed | None) -> bool:
-        """``c`` is older than the durable root's ``newest`` commit, which does not hold it."""
-        return (
-            newest is not None
-            and c.record.time < newest.record.time
-            and self._durable.holds(c.record) is None
-        )
-
-    def newest_durable(self) -> Committed | None:
-        return self._durable.newest()
+    def behind(self, c: Committed) -> bool:
+        """The durable root (rank 0's view of it) has moved on past ``c`` and does not hold it."""
+        return self._durable.holds(c.record) is None and self._durable.moved_on(c.record) is not None
 
     def held(self) -> frozenset[int]:
         """Local steps that local retention keeps: every commit whose record is not marked as
@@ -218,9 +233,9 @@ class Uploader:
         with self._cond:
             return [c.record.step for c in self._queue], self._last_error
 
-    def take_lost(self) -> list[int]:
-        """The steps dropped because their local copy could not be uploaded (damaged), since the
-        last call: each is told once."""
+    def take_lost(self) -> list[tuple[int, str]]:
+        """The steps that will never be durable since the last call, each with why (``DAMAGED``,
+        ``REMOVED``, ``BEHIND``): each is told once."""
         with self._cond:
             lost, self._lost = self._lost, []
             return lost
@@ -276,6 +291,8 @@ class Uploader:
         try:
             try:
                 self._upload(head)
+            except BehindRootError as e:  # another node went on from the root: never over it
+                self._set_aside(head, e, Layout(head.path.parent))
             except LOCAL_COPY_BAD as e:
                 self._drop(head, e)
             except PartsNotIn:
@@ -294,26 +311,51 @@ class Uploader:
             self._cond.notify_all()
 
     def _drop(self, head: Committed, error: BaseException) -> None:
-        """The local copy cannot be uploaded: replaced or removed since (its newer copy, if any, is
-        in line), or damaged (it is not durable, and is said so)."""
+        """The local copy cannot be uploaded: replaced since (its newer copy is in line), removed
+        (by hand, with ``local_dir`` itself, or moved aside as damaged), or damaged. The last two
+        are not durable, and are said so."""
         with self._cond:
             key = (head.record.step, head.record.seq)
             if any(c is not head and (c.record.step, c.record.seq) == key for c in self._queue):
                 return  # put back and in line again meanwhile: its next try uploads it
             self._dropped.add(key)
-        if fate_of(head.path, head.record) is not Fate.SAME:
+        fate = fate_of(head.path, head.record)
+        if fate is Fate.REPLACED:
             logger.info(
                 "safeckpt: step %d changed while it was uploaded (%s); not uploaded", head.record.step, error
             )
             return
         with self._cond:
-            self._lost.append(head.record.step)
+            self._lost.append((head.record.step, DAMAGED if fate is Fate.SAME else REMOVED))
         logger.error(
             "safeckpt: step %d in %s cannot be uploaded: %s. It is not durable; the next commits are "
             "uploaded as usual",
             head.record.step,
             head.path,
+            "its local copy is gone (removed before its upload)" if fate is Fate.GONE else error,
+        )
+
+    def _set_aside(self, c: Committed, error: BehindRootError, local: Layout, *, tell: bool = True) -> None:
+        """A local commit the durable root has moved on past: moved aside under the local lock
+        (out of the view: never uploaded, restored or counted), and said in a warning; ``tell``:
+        and by the next ``wait(durable=True)``."""
+        with self._cond:
+            self._dropped.add((c.record.step, c.record.seq))
+            if tell:
+                self._lost.append((c.record.step, BEHIND))
+        where = None
+        try:
+            where = set_aside(local, self._local_lock, c.path, c.record, str(error))
+        except (OSError, CheckpointError) as e:
+            logger.warning("safeckpt: could not move step %d of %s aside (%s)", c.record.step, local.root, e)
+        if where is not None or fate_of(c.path, c.record) is not Fate.SAME:
+            self._local_view.drop([c.record.step])
+        logger.warning(
+            "safeckpt: %s. It is not uploaded, and never restored%s",
             error,
+            f": it is kept in {where.where} (`safeckpt gc {local.root.where}` removes it)"
+            if where is not None
+            else "",
         )
 
     def _failed(self, error: BaseException) -> None:
@@ -372,16 +414,29 @@ class Uploader:
 
 
 def not_uploaded_error(
-    root: object, local_dir: object, steps: list[int], error: BaseException | None, *, lost: list[int]
+    root: object,
+    local_dir: object,
+    steps: list[int],
+    error: BaseException | None,
+    *,
+    lost: list[tuple[int, str]],
 ) -> CheckpointError:
     """What ``wait(durable=True)`` raises when uploads are still waiting, or some never will be."""
     said = []
-    if lost:
-        said.append(
-            f"step(s) {', '.join(map(str, lost))} could not be uploaded to {root}: their copies in "
-            f"{local_dir} are damaged (the error logged for each says how), so they are not durable "
-            "and never will be; the steps saved after them are uploaded as usual."
-        )
+    why = {
+        DAMAGED: f"their copies in {local_dir} are damaged (the error logged for each says how)",
+        REMOVED: f"their copies in {local_dir} were removed before their upload",
+        BEHIND: f"{root} has moved on past them (another node or job committed there since the "
+        f"state they were saved from); they are kept aside in {local_dir}/.damaged",
+    }
+    for kind, reason in why.items():
+        of_kind = [step for step, k in lost if k == kind]
+        if of_kind:
+            said.append(
+                f"step(s) {', '.join(map(str, of_kind))} could not be uploaded to {root}: {reason}, "
+                "so they are not durable and never will be; the steps saved after them are uploaded "
+                "as usual."
+            )
     if steps:
         said.append(
             f"step(s) {', '.join(map(str, steps))} are committed in {local_dir} but not uploaded to "

@@ -16,6 +16,7 @@ from .._dcp.options import IOOptions
 from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format.layout import Layout
+from .._format.lineage import ensure_root_id, read_root_id
 from .._policy.retention import Policy, Retention
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
@@ -116,6 +117,7 @@ def wire(
         session.keep_staging = is_held
     held: list[Committed] = []
     other_held: list[Loc] = []
+    tier: str | None = None  # the local root's identity, which its commits record
     if leads_root:
         try:
             session.open()
@@ -125,11 +127,19 @@ def wire(
                 try:
                     if parts.is_leader:  # the other nodes' leaders only put their parts there
                         durable.open()
+                    else:
+                        durable.read_identity()
+                    tier = _local_identity(layout, session, read_only)
+                    durable.refuse_others(layout.root, [c.record for c in [*view.committed(), *held]])
                 except BaseException:
                     session.release()  # the local root's lock and owner record go with the error
+                    if parts.is_leader:
+                        durable.release()
                     raise
                 assert session.lock is not None
                 uploader = Uploader(durable, view, session.lock, retry_interval=retry_interval)
+                if parts.is_leader and not several and _owns(session, read_only):
+                    uploader.set_aside_behind(view.committed(), layout)  # before the view is shared
             if registrar is not None and not read_only and parts.is_leader:
                 assert session.lock is not None
                 registration = RegistrationWorker(
@@ -160,8 +170,9 @@ def wire(
         holds=uploader.held if uploader is not None else None,
         make_room=LocalRoom(layout, view, session).make_room if uploader is not None else None,
         nodes=nodes,
+        stamp=(lambda: durable.stamp(tier)) if durable is not None and leads_root else None,
     )
-    owns_local = session.ownership is not None and session.ownership.claimed
+    owns_local = _owns(session, False)
 
     uploading = uploader is not None and not read_only and owns_local  # a live job's are its own
     whole = _whole_saves(parts, nodes, uploader, view, held) if several else None
@@ -241,6 +252,18 @@ def wire(
     )
 
 
+def _owns(session: RootSession, read_only: bool) -> bool:
+    return not read_only and session.ownership is not None and session.ownership.claimed
+
+
+def _local_identity(layout: Layout, session: RootSession, read_only: bool) -> str | None:
+    """The local root's identity (written now by its writer where it has none; see
+    :mod:`safeckpt._format.lineage`)."""
+    if _owns(session, read_only) and session.lock is not None:
+        return ensure_root_id(layout.root, session.lock)
+    return read_root_id(layout.root)
+
+
 def _whole_saves(
     parts: Participants, nodes: Nodes, uploader: Uploader | None, view: SaveView, held: list[Committed]
 ) -> frozenset[str]:
@@ -259,9 +282,6 @@ def _whole_saves(
     if parts.is_leader and mine is not None:
         held = [said[rank] for rank in nodes.leaders]
         if all(h is not None for h in held):
-            newest = uploader.newest_durable() if uploader is not None else None
             whole = frozenset.intersection(*held)
-            whole = frozenset(
-                i for i in whole if uploader is not None and not uploader.behind(mine[i], newest)
-            )
+            whole = frozenset(i for i in whole if uploader is not None and not uploader.behind(mine[i]))
     return parts.broadcast(whole, parts.control, what="the parts to upload")

@@ -14,14 +14,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from .._dcp import safe_metadata
 from .._format.catalog import Catalog, scan, verify_files
 from .._format.layout import Layout, parse_step_dirname
 from .._format.record import list_files, read_record
 from .._policy.retention import Retention, explain
-from .._restore.choose import choose_checkpoint
 from .._store.base import DIR
 from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
@@ -65,6 +62,8 @@ def resolve_checkpoint(root: Loc, target: int | str | os.PathLike[str] | None) -
     :class:`CheckpointNotFoundError` when there is no such directory.
     """
     if target is None:
+        from .._restore.choose import choose_checkpoint  # imports torch: `safeckpt ls` never gets here
+
         chosen = choose_checkpoint(Layout(root), None, None)
         if chosen is None:
             raise CheckpointNotFoundError(
@@ -109,6 +108,8 @@ def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str,
     A chunk is one rank's piece of a tensor (``offsets``/``sizes`` per dimension, and
     the file that holds it); an unsharded tensor has one chunk covering it.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # not for `safeckpt ls`
+
     checkpoint_dir = as_loc(checkpoint_dir)
     metadata = safe_metadata.read_metadata(checkpoint_dir)
     files: dict[tuple[str, tuple[int, ...] | None], str] = {}

@@ -19,18 +19,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 from .._fs.atomic import atomic_write, atomic_write_stream, read_pointer, replace_dir, swap_pointer
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._fs.lock import SidecarLock
 from .._fs.safe_open import RegularFile, read_small
-from .._storage.prefetch import prefetch
-from .._storage.writer import RawFileSystemWriter
 from .._store.base import DIR, FILE, LINK, OTHER, Entry
 from .._store.registry import LOCAL, register
 from .errors import explain_error
-from .readers import PosixDcpOwnReader, PosixDcpReader
 
 LOCK_NAME = ".lock"
 
@@ -138,6 +133,11 @@ class PosixStore:
     # --- checkpoints' bytes (DCP) ------------------------------------------------
 
     def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any:
+        # torch and DCP only here and in the reads below: opening a root (`safeckpt ls`) needs neither
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from .._storage.writer import RawFileSystemWriter
+
         options: dict[str, Any] = dict(sync_files=True, single_file_per_rank=True, thread_count=1)
         if dcp_own:
             return FileSystemWriter(self.path(directory), **options)
@@ -153,12 +153,16 @@ class PosixStore:
         dcp_own: bool,
         metadata: Callable[[], Any],
     ) -> Any:
+        from .readers import PosixDcpOwnReader, PosixDcpReader
+
         reader = PosixDcpOwnReader if dcp_own else PosixDcpReader
         return reader(
             self.path(directory), checksums=checksums, step=step, direct_io=direct_io, metadata=metadata
         )
 
     def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+        from .._storage.prefetch import prefetch
+
         return prefetch(self.path(directory), rank, direct_io=direct_io)
 
     # --- the root as a whole -------------------------------------------------------

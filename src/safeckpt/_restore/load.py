@@ -12,7 +12,7 @@ from .._dist.failures import storage_error
 from .._format.layout import RECORD_NAME, Layout
 from .._state.train_state import Legacy, read_tree
 from .._store.loc import Loc, as_loc, as_root
-from .._store.registry import open_store
+from .._store.registry import check_root, open_store
 from .._util.gc_pause import collector_paused
 from ..errors import (
     CheckpointError,
@@ -54,6 +54,7 @@ def load(
         root_or_checkpoint_dir = Loc(open_store(root_or_checkpoint_dir, options=storage_options))
     top = as_root(root_or_checkpoint_dir)
     try:
+        check_root(top.store, writing=False)  # a file, or under one: said so, not "nothing to load"
         return _load(top, step)
     except OSError as e:  # the storage's own failure (the checkpoint's are CheckpointErrors)
         if isinstance(e, CheckpointError):

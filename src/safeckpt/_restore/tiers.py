@@ -5,6 +5,11 @@ disk. Each tier's candidates are verified as one root's are
 (:func:`~safeckpt._restore.choose.choose_checkpoint`); a local copy that fails
 (its files, or later its bytes as they load) is skipped for that tier only, so
 the durable copy of the same step is the next one tried.
+
+Which is newer is the durable root's sequence, never a host's clock
+(:mod:`safeckpt._format.lineage`): a local commit of another root, or one the
+root has moved on past, is never taken; one not uploaded yet is newer than all
+the root holds; an uploaded one stands where its durable copy was committed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import logging
 import os
 from collections.abc import Callable, Collection, Sequence
 
+from .._format import lineage
+from .._format.catalog import scan
 from .._format.layout import Layout
 from .._format.record import Record
 from .._store.loc import Loc
@@ -34,22 +41,25 @@ def choose_across(
 
     ``excluded[i]``: steps of tier ``i`` already found unloadable (an explicit ``step`` among them
     is taken from the next tier). ``path`` is loaded as it is.
-    The newest commit is the one saved last (the ``time`` of its record, which its upload keeps);
+    The newest commit is by the durable root's sequence (see the module's docstring);
     an explicit ``step`` missing or broken in one tier is taken from the next.
     """
     if path is not None:
         return choose_checkpoint(tiers[0], None, path)
+    out = [set(e) for e in excluded]
+    if len(tiers) > 1:
+        out[0] |= not_this_roots(tiers[0], tiers[1])
     found: list[tuple[int, tuple[Loc, Record]]] = []
     failures: list[CheckpointError] = []
     for i, layout in enumerate(tiers):
-        if step is not None and step in excluded[i]:
-            continue  # its copy here failed as it loaded: the next tier's is tried
+        if step is not None and step in out[i]:
+            continue  # its copy here failed as it loaded (or is not this root's): the next tier's
         try:
             got = choose_checkpoint(
                 layout,
                 step,
                 None,
-                exclude=excluded[i],
+                exclude=out[i],
                 on_damaged=on_damaged if i == 0 else None,
                 announce=i == len(tiers) - 1,
             )
@@ -74,4 +84,30 @@ def choose_across(
         if failures and len(failures) == len(tiers):
             raise failures[-1]  # the durable tier's reason
         return None
-    return max(found, key=lambda f: (f[1][1].time, -f[0]))[1]
+    if len(found) == 1:
+        return found[0][1]
+    local, durable = found[0][1], found[1][1]
+    return local if lineage.newer_local(local[1], durable[1]) else durable
+
+
+def not_this_roots(local: Layout, durable: Layout) -> set[int]:
+    """The steps of the local tier ``local`` that are not restored as ``durable``'s: saved for
+    another root, or not uploaded and behind ``durable`` (it moved on past them)."""
+    committed = [e.record for e in scan(local.root).entries if e.committed and e.record is not None]
+    if not committed:
+        return set()
+    root, root_id = str(durable.root.where), lineage.read_root_id(durable.root)
+    out = {r.step for r in committed if not lineage.belongs(r, root, root_id)}
+    waiting = [r for r in committed if r.uploaded is None and r.step not in out]
+    if waiting:
+        there = [e.record for e in scan(durable.root).entries if e.committed and e.record is not None]
+        out |= {r.step for r in waiting if lineage.moved_on(r, there) is not None}
+    for step in sorted(out):
+        logger.warning(
+            "safeckpt: step %d in %s is not restored: it was saved for another root, or %s has moved "
+            "on past it",
+            step,
+            local.root,
+            durable.root,
+        )
+    return out

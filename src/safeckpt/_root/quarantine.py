@@ -33,6 +33,25 @@ logger = logging.getLogger(__name__)
 def move_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reason: str) -> Loc | None:
     """Move the damaged checkpoint at ``directory`` into ``.damaged/``; where it went, or None when
     the directory no longer holds the commit ``record`` describes (nothing is moved then)."""
+    target = move_into_damaged(layout, lock, directory, record, {"reason": reason})
+    if target is None:
+        return None
+    logger.warning(
+        "safeckpt: moved the unloadable step %d aside to %s: it is never loaded and no longer counts "
+        "as the newest step. Inspect it there, or remove it with `safeckpt gc %s`.",
+        record.step,
+        target,
+        layout.root,
+    )
+    return target
+
+
+def move_into_damaged(
+    layout: Layout, lock: Lock, directory: Loc, record: Record, note: dict[str, object]
+) -> Loc | None:
+    """The move itself, under the sidecar lock, if ``directory`` still holds ``record``'s commit:
+    into ``.damaged/`` with a ``damaged.json`` (``note`` and which commit), then ``latest`` to the
+    newest commit left. Where it went, or None."""
     with lock:
         if fate_of(directory, record) is not Fate.SAME:
             return None
@@ -43,15 +62,8 @@ def move_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reaso
         store.move(directory.key, target.key)
         store.sync(directory.parent.key)
         store.sync(layout.damaged.key)
-        note = {"step": record.step, "seq": record.seq, "time": time.time(), "reason": reason}
+        written = {"step": record.step, "seq": record.seq, "time": time.time(), **note}
         with contextlib.suppress(OSError):  # the move is what matters; the note only explains it
-            store.write_atomic((target / DAMAGED_NOTE).key, (json.dumps(note, indent=2) + "\n").encode())
+            store.write_atomic((target / DAMAGED_NOTE).key, (json.dumps(written, indent=2) + "\n").encode())
         point_latest_at_newest(layout, lock)
-    logger.warning(
-        "safeckpt: moved the unloadable step %d aside to %s: it is never loaded and no longer counts "
-        "as the newest step. Inspect it there, or remove it with `safeckpt gc %s`.",
-        record.step,
-        target,
-        layout.root,
-    )
     return target

@@ -1,13 +1,24 @@
-"""Taking back a commit that must not count: a node's part of a save that another node failed to
-commit. Alone it is no checkpoint, yet its commit moved ``latest`` to it; pruning refuses the step
-``latest`` names, so the part goes to the trash here, the copy it replaced (if any) back into its
-place, and ``latest`` to the newest commit."""
+"""Taking back a commit that must not count.
+
+A node's part of a save that another node failed to commit: alone it is no
+checkpoint, yet its commit moved ``latest`` to it; pruning refuses the step
+``latest`` names, so the part goes to the trash here, the copy it replaced (if
+any) back into its place, and ``latest`` to the newest commit.
+
+A local commit its durable root has moved on past (:mod:`safeckpt._format.lineage`):
+it must never be uploaded or restored, nor hold its step's name, but it is the
+only copy of what its node trained, so it is set aside, not removed: into
+``.damaged/`` with a note saying why, where nothing loads or prunes it, ``safeckpt
+ls`` shows it and ``safeckpt gc`` removes it.
+"""
 
 from __future__ import annotations
 
 from .._format.layout import Layout
+from .._format.record import Record
 from .._store.base import Lock
 from .._store.loc import Loc
+from .quarantine import move_into_damaged
 from .removal import to_trash
 from .startup import point_latest_at_newest
 
@@ -29,3 +40,10 @@ def withdraw_checkpoint(layout: Layout, lock: Lock, step: int, *, held: Loc | No
             put_back = True
         point_latest_at_newest(layout, lock)
     return put_back
+
+
+def set_aside(layout: Layout, lock: Lock, directory: Loc, record: Record, reason: str) -> Loc | None:
+    """Move the commit ``record`` describes out of ``directory`` into ``.damaged/``, with a note
+    (``reason``, and ``"behind": true``); where it went, or None when the directory no longer holds
+    that commit (nothing is moved then). Holds the sidecar lock."""
+    return move_into_damaged(layout, lock, directory, record, {"reason": reason, "behind": True})

@@ -349,6 +349,14 @@ class Client:
             args["KeyMarker"] = page.get("NextKeyMarker", "")
             args["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
 
+    def upload_size(self, key: str, upload_id: str) -> int:
+        """Bytes in the parts of the unfinished upload ``upload_id`` of ``key`` (0 once it is gone)."""
+        try:
+            pages = list(self._pages("list_parts", key, Key=key, UploadId=upload_id))
+        except NotFound:  # completed or aborted meanwhile
+            return 0
+        return sum(int(part.get("Size", 0)) for page in pages for part in page.get("Parts") or ())
+
     # --- plumbing ---------------------------------------------------------------------------------
 
     def _call(self, operation: str, key: str, **args: Any) -> dict[str, Any]:

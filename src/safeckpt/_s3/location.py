@@ -61,12 +61,23 @@ class Location:
 
 
 def parse_url(url: str) -> Location:
-    match = _URL.match(url)
-    bucket = match.group(1) if match else ""
-    if not match or not _BUCKET.match(bucket):
+    """``s3://BUCKET/PREFIX`` as a :class:`Location`; raises :class:`ConfigError` naming what is wrong."""
+    if url[:5].lower() == "s3://" and not url.startswith("s3://"):
         raise ConfigError(
-            f"{url!r} is not an S3 root: write it as s3://BUCKET/PREFIX, with a bucket name of 3 to "
-            "63 lowercase letters, digits, '.' or '-'.",
+            f"{url!r}: the URL scheme {url[:5]!r} is written in lowercase: did you mean "
+            f"{'s3://' + url[5:]!r}?",
+            path=url,
+        )
+    match = _URL.match(url)
+    if not match:
+        none = " (it names no bucket)" if url.startswith("s3:///") else ""
+        raise ConfigError(f"{url!r} is not an S3 root{none}: write it as s3://BUCKET/PREFIX.", path=url)
+    bucket = match.group(1)
+    if not _BUCKET.match(bucket):
+        why = " (bucket names have no uppercase letters)" if bucket != bucket.lower() else ""
+        raise ConfigError(
+            f"{url!r}: {bucket!r} is not an S3 bucket name{why}: a bucket name is 3 to 63 lowercase "
+            "letters, digits, '.' or '-', beginning and ending with a letter or digit.",
             path=url,
         )
     parts = [p for p in (match.group(2) or "").split("/") if p]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Entry, Store, join, leaf, parent
-from .registry import LOCAL, open_store, scheme_of
+from .registry import local_path, open_store
 
 
 class Loc:
@@ -71,11 +71,12 @@ def as_loc(value: Loc | str | os.PathLike[str]) -> Loc:
     in the store of its parent."""
     if isinstance(value, Loc):
         return value
-    if scheme_of(value) != LOCAL:
+    local = local_path(value)  # a file:// URL's path; a mistyped URL is refused
+    if local is None:
         text = os.fspath(value).rstrip("/")
         parent_url, _, name = text.rpartition("/")
         return Loc(open_store(parent_url), name)
-    path = Path(value).absolute()
+    path = Path(local).absolute()
     return Loc(open_store(path.parent), path.name)
 
 

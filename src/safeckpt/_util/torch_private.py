@@ -46,6 +46,8 @@ private symbol                             public fallback
 ``call._call_callbacks_state_dict``        called as the connector calls them (``public_fallbacks``)
 ``call._call_lightning_datamodule_hook``
 ``fabric.utilities.cloud_io._load``        ``torch.load`` of the (local) file
+``ModelCheckpoint._find_last_checkpoints``  none: Lightning resolves ``fit(ckpt_path="last")`` alone,
+                                           which on a URL dirpath finds nothing (Lightning #18261)
 =========================================  ===========================================================
 
 They sit here rather than in a door of ``safeckpt.lightning``: one list to
@@ -86,6 +88,7 @@ __all__ = [
     "StorageInfo",
     "StoragePrefix",
     "WeightsOnlyUnpickler",
+    "adjust_last_checkpoints",
     "available",
     "callbacks_state_dict",
     "child_module",
@@ -437,6 +440,32 @@ def load_lightning_file(path: os.PathLike[str], *, map_location: Any, weights_on
         return private(path, map_location=map_location, weights_only=weights_only)
     with open(path, "rb") as f:
         return torch.load(f, map_location=map_location, weights_only=weights_only)
+
+
+_last_adjusted: list[bool] = []  # whether adjust_last_checkpoints took, once decided
+
+
+def adjust_last_checkpoints(adjust: Callable[[Any, Any, set[str]], set[str]]) -> bool:
+    """Pass what every ``ModelCheckpoint`` finds for ``fit(ckpt_path="last")`` through
+    ``adjust(callback, trainer, found)``; once per process (later calls change nothing). Whether
+    it took: not where the method is gone or the switch is off (Lightning's own lookup runs)."""
+    if _last_adjusted:
+        return _last_adjusted[0]
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    name = "ModelCheckpoint._find_last_checkpoints"
+    found_by = getattr(ModelCheckpoint, "_find_last_checkpoints", None) if ENABLED else None
+    if found_by is None:
+        _missing[name] = f"{SWITCH}=0" if not ENABLED else "not in this Lightning"
+        _last_adjusted.append(False)
+        return False
+
+    def find_last(self: Any, trainer: Any) -> set[str]:
+        return adjust(self, trainer, set(found_by(self, trainer)))
+
+    ModelCheckpoint._find_last_checkpoints = find_last  # type: ignore[method-assign]
+    _last_adjusted.append(True)
+    return True
 
 
 # --- what is on -----------------------------------------------------------------------------------

@@ -11,8 +11,10 @@
     safeckpt register ROOT [--step N] [--json]
     safeckpt demo [--dir DIR] [--steps N] [--kill-at STEP] ...
 
-One module per command group, each a thin layer over the library functions the
-Python API uses (:mod:`safeckpt._ops.maintenance`, :mod:`safeckpt._ops.inspection`,
+The arguments of every command are in :mod:`.parser`, which imports none of
+them: a command's module is imported only when it runs, so ``--help`` and a usage
+error cost no torch. One module per command group, each a thin layer over the
+library functions the Python API uses (:mod:`safeckpt._ops.maintenance`, :mod:`safeckpt._ops.inspection`,
 :mod:`safeckpt._root.collect`, :mod:`safeckpt._ops.export`, :mod:`safeckpt._registration.worker`). None
 of them except ``import`` and ``demo`` starts a ``CheckpointManager`` on the
 root: a manager takes ownership of a root and collects its ``.staging/``.
@@ -27,9 +29,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .._version import __version__
-from . import demo, export, gc, inspect, ls, prune, register, upload, verify
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SCHEMA_VERSION, Parser, run_command
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SCHEMA_VERSION, run_command
+from .parser import build_parser
 
 __all__ = [
     "EXIT_FAILED",
@@ -40,21 +41,6 @@ __all__ = [
     "build_parser",
     "main",
 ]
-
-_GROUPS = (demo, ls, inspect, verify, prune, gc, export, register, upload)
-
-
-def build_parser() -> Parser:
-    parser = Parser(
-        prog="safeckpt",
-        description="Crash-safe, async checkpoints for PyTorch: look after checkpoint roots.",
-        epilog="Run 'safeckpt COMMAND --help' for a command's options and examples.",
-    )
-    parser.add_argument("--version", action="version", version=f"safeckpt {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
-    for group in _GROUPS:
-        group.add_parser(commands)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,15 +17,16 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._store.base import DIR
 from .._store.loc import Loc, as_root
+from .._store.registry import check_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidSaveError, LockTimeoutError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -75,6 +76,9 @@ def add_command(
 
 def out() -> Console:
     """The stdout console: rich on a terminal, plain text when piped."""
+    # rich is imported by the commands that print, not with the parser: `--help` needs none of it
+    from rich.console import Console
+
     # soft_wrap: long lines (a hash, a path) stay whole when piped, where the width is 80
     return Console(highlight=False, soft_wrap=True)
 
@@ -107,6 +111,8 @@ def plain_table(table: Table) -> list[str]:
 
 
 def _plain_text(value: object) -> str:
+    from rich.text import Text
+
     text = Text.from_markup(value) if isinstance(value, str) else value
     return text.plain if isinstance(text, Text) else str(value)
 
@@ -134,6 +140,7 @@ def _finite(value: Any) -> Any:
 def existing_root(root: str | os.PathLike[str]) -> Loc:
     """The top of ``root``'s store; raises unless it is an existing directory."""
     top = as_root(root)
+    check_root(top.store, writing=False)  # a file, a link, or under a file: said so
     entry = top.entry()
     if entry is None:
         raise CheckpointNotFoundError(
@@ -152,6 +159,8 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
 
     When stderr is not a terminal the callback does nothing: piped output stays clean.
     """
+    from rich.console import Console
+
     console = Console(stderr=True)
     if not console.is_terminal:
         yield lambda n: None

@@ -38,12 +38,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-DEFAULT_DIR = "runs/demo"
-DEFAULT_STEPS = 300
-DEFAULT_SAVE_EVERY = 25
-DEFAULT_KEEP_LAST = 3
-DEFAULT_KEEP_BEST = 1
-METRIC = "loss"
+from .parser import DEMO_METRIC as METRIC  # the demo's options are in .parser
 
 # The task: classify noisy inputs by a fixed random linear "teacher". Sized so that
 # 300 steps take about ten seconds on one CPU thread and a checkpoint is a few MB.
@@ -120,55 +115,6 @@ def weights_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
         if nbytes:
             digest.update(ctypes.string_at(tensor.data_ptr(), nbytes))
     return digest.hexdigest()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options (shared by ``safeckpt demo`` and ``python -m safeckpt.demo``)."""
-    from .args import non_negative_int, positive_int
-
-    parser.add_argument(
-        "--dir",
-        default=DEFAULT_DIR,
-        help=f"checkpoint root: a directory or an s3:// URL (default: {DEFAULT_DIR})",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=DEFAULT_STEPS,
-        help="optimizer steps in all (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--save-every",
-        type=positive_int,
-        default=DEFAULT_SAVE_EVERY,
-        metavar="K",
-        help="save every K steps, and at the last step (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kill-at",
-        type=positive_int,
-        metavar="STEP",
-        help="SIGKILL this process once STEP steps are done (after that step's save), to show a crash; "
-        "run again without it to resume",
-    )
-    parser.add_argument(
-        "--keep-last",
-        type=positive_int,
-        default=DEFAULT_KEEP_LAST,
-        metavar="N",
-        help="keep the N newest checkpoints (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--keep-best",
-        type=non_negative_int,
-        default=DEFAULT_KEEP_BEST,
-        metavar="K",
-        help=f"also keep the K checkpoints with the lowest {METRIC}; 0: none (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--weights-out", metavar="PATH", help="write the final model weights to PATH as a safetensors file"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and dropout")
 
 
 def _configure_torch() -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from rich.table import Table
 
 from .._dist.failures import human_size
 from .._root.collect import REMOVED, SKIPPED, collect_garbage
-from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
+from .common import EXIT_OK, existing_root, out, print_json, print_table
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -45,31 +44,3 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"freed {human_size(report.bytes_freed)} ({len(removed)} removed, {len(skipped)} skipped)"
         )
     return EXIT_OK
-
-
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "gc",
-        help="remove leftovers: dead owners' staging, trash, damaged checkpoints moved aside, "
-        ".nfs/.fuse_hidden files, temp files",
-        description="Remove what crashes and old versions left in ROOT: .staging/ entries when no live "
-        "job owns the root (never a live job's saves in flight), .trash/, checkpoints auto-resume "
-        "moved aside into .damaged/, .nfs* and .fuse_hidden* files no longer in use, and orphan temp "
-        "files. Holds the sidecar lock; safe while a job trains. Reports the bytes freed.",
-        examples="""
-safeckpt gc runs/exp1 --dry-run
-safeckpt gc runs/exp1 --json | jq .bytes_freed
-""",
-    )
-    parser.add_argument("root", metavar="ROOT")
-    parser.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="how long to keep retrying deletions the filesystem refuses (default: %(default)s)",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.set_defaults(func=cmd_gc)

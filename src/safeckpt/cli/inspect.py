@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .._dist.failures import human_size
 from .._ops.inspection import inspect_checkpoint
-from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
+from .common import EXIT_OK, existing_root, out, print_json, print_table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -108,26 +108,3 @@ def _count_tensors(value: Any) -> int:
             return 1
         return sum(_count_tensors(v) for v in value.values())
     return 0
-
-
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "inspect",
-        help="show a checkpoint: record, files, tensors (shapes, dtypes, sharding), train state",
-        description="Show one checkpoint of ROOT: its record (step, time, status, metrics, extra, "
-        "registration, why it is kept), its files, every tensor in DCP's .metadata with shape, "
-        "dtype, size and sharding (no tensor data is read), and the JSON part of the train state. "
-        "Without STEP: the checkpoint auto-resume would load.",
-        examples="""
-safeckpt inspect runs/exp1                 # what a restart would resume from
-safeckpt inspect runs/exp1 2000
-safeckpt inspect runs/exp1 step_2000 --json | jq '.tensors[] | select(.sharded)'
-""",
-    )
-    parser.add_argument("root", metavar="ROOT")
-    parser.add_argument(
-        "target", metavar="STEP|PATH", nargs="?", help="a step number or a step_<N> directory"
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON (schema in docs/cli.md)")
-    parser.set_defaults(func=cmd_inspect)

@@ -19,8 +19,8 @@ from .._ops.inspection import kept_because, recorded_retention
 from .._ops.maintenance import Damaged, damaged_checkpoints
 from .._ops.tiers import compare_tiers
 from .._policy.retention import Retention
-from .args import add_retention_arguments, retention_from_args
-from .common import EXIT_OK, add_command, existing_root, out, print_json, print_table
+from .args import retention_from_args
+from .common import EXIT_OK, existing_root, out, print_json, print_table
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -239,29 +239,3 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         render(out(), data)
     return EXIT_OK
-
-
-def add_parser(commands: Any) -> None:
-    ls = add_command(
-        commands,
-        "ls",
-        help="list the checkpoints of a root",
-        description="List the checkpoints of ROOT: step, time, size, metrics, status, why each is "
-        "kept. With retention options, also what a prune with them would remove.",
-        examples="""
-safeckpt ls runs/exp1
-safeckpt ls runs/exp1 --keep-last 3 --keep-best 2 --metric loss   # what would a prune keep?
-safeckpt ls runs/exp1 --json | jq '.checkpoints[].step'
-safeckpt ls s3://bucket/runs/exp1 --local-dir /local/nvme/exp1   # local, durable, uploading
-""",
-    )
-    ls.add_argument("root", metavar="ROOT")
-    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ls.add_argument(
-        "--local-dir",
-        metavar="DIR",
-        help="the local tier of a run with two tiers (local_dir=): show which tiers hold each "
-        "checkpoint, and the local ones not uploaded yet",
-    )
-    add_retention_arguments(ls)
-    ls.set_defaults(func=cmd_ls)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from .._ops.maintenance import RECORDED, prune, set_pinned
-from .args import add_retention_arguments, non_negative_int, retention_from_args
-from .common import EXIT_OK, add_command, existing_root, out, print_json
+from .args import retention_from_args
+from .common import EXIT_OK, existing_root, out, print_json
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -58,41 +57,3 @@ def cmd_pin(args: argparse.Namespace) -> int:
     else:
         out().print(f"unpinned step {args.step} in {root}: retention decides about it again")
     return EXIT_OK
-
-
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "prune",
-        help="remove the checkpoints retention does not keep",
-        description="Remove the checkpoints of ROOT that the retention rules do not keep; with no "
-        "rule, those the job's recorded retention (in its newest record) does not keep. Says which "
-        "rule it applied. Never removes the one `latest` names, pinned ones, or saves in progress; "
-        "safe while a job trains.",
-        examples="""
-safeckpt prune runs/exp1 --dry-run                 # the job's own retention: what would go?
-safeckpt prune runs/exp1 --keep-last 3 --dry-run
-safeckpt prune runs/exp1 --keep-last 2 --keep-best 1 --metric loss
-safeckpt prune runs/exp1 --keep-last 1 --keep-milestones pow2
-""",
-    )
-    parser.add_argument("root", metavar="ROOT")
-    add_retention_arguments(parser)
-    parser.add_argument("--dry-run", action="store_true", help="say what would be removed; change nothing")
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.set_defaults(func=cmd_prune)
-
-    for name, pinned, text in (
-        ("pin", True, "keep a checkpoint whatever retention says"),
-        ("unpin", False, "let retention decide about a checkpoint again"),
-    ):
-        sub = add_command(
-            commands,
-            name,
-            help=text,
-            description=f"{text[0].upper()}{text[1:]}.",
-            examples=f"safeckpt {name} runs/exp1 2000",
-        )
-        sub.add_argument("root", metavar="ROOT")
-        sub.add_argument("step", metavar="STEP", type=non_negative_int)
-        sub.set_defaults(func=cmd_pin, pinned=pinned)

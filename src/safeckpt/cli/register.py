@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from ..errors import ConfigError
-from .args import non_negative_int
-from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print_json
+from .common import EXIT_FAILED, EXIT_OK, existing_root, out, print_json
 
 _DONE = ("registered", "skipped")
 
@@ -52,26 +50,3 @@ def cmd_register(args: argparse.Namespace) -> int:
                 hint = " (its record names no registrar; pass --registrar)"
             console.print(f"step {step}: {status}{hint}")
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "register",
-        help="retry failed or unfinished registrations, or register checkpoints with a registrar",
-        description="Register the committed checkpoints of ROOT whose registration failed or was "
-        "not finished, with the registrar their record names; with --registrar also those never "
-        "registered; with --step just that one, whatever its record says. Exit 1 if any fails.",
-        examples="""
-safeckpt register runs/exp1
-safeckpt register runs/exp1 --step 2000 --json
-safeckpt register runs/exp1 --registrar '{"kind": "jsonl", "index_path": "runs/index.jsonl"}'
-""",
-    )
-    parser.add_argument("root", metavar="ROOT")
-    parser.add_argument("--step", type=non_negative_int, metavar="N", help="register step N")
-    parser.add_argument(
-        "--registrar", metavar="JSON", help="the registrar to use, as its to_json() (a 'kind' key and fields)"
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.set_defaults(func=cmd_register)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from .._format.catalog import settled_scan
 from .._ops.maintenance import VerifyReport, verify_root
-from .args import non_negative_int
-from .common import EXIT_FAILED, EXIT_OK, add_command, existing_root, out, print_json, progress_bar
+from .common import EXIT_FAILED, EXIT_OK, existing_root, out, print_json, progress_bar
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -59,26 +57,3 @@ def render(console: Console, root: Path, report: VerifyReport, broken: list[int]
         )
     if report.checkpoints:
         console.print(f"{len(report.checkpoints)} checked, {len(broken)} broken")
-
-
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "verify",
-        help="read and check every byte of checkpoints (exit 1 if anything is broken)",
-        description="Check every checkpoint of ROOT (or the STEPs given): every file present, every "
-        "byte matching the checksum written with it, DCP metadata readable. Exit 0 when all is "
-        "healthy, 1 when anything is broken, 2 on a usage error.",
-        examples="""
-safeckpt verify runs/exp1
-safeckpt verify runs/exp1 1000 2000 --json
-safeckpt verify runs/exp1 || echo "some checkpoint is broken"
-""",
-    )
-    parser.add_argument("root", metavar="ROOT")
-    parser.add_argument("steps", metavar="STEP", nargs="*", type=non_negative_int, help="check only these")
-    parser.add_argument(
-        "--step", type=non_negative_int, action="append", metavar="N", help="check only step N (repeatable)"
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.set_defaults(func=cmd_verify)

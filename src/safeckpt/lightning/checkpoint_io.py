@@ -42,18 +42,20 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from .._dist.failures import root_not_writable
 from .._format.layout import Layout
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
 from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPool
 from .._manager.ledger import Flight, SaveLedger
 from .._posix import PosixStore
 from .._root.removal import Deleter
-from .._store.base import Lock, Store
+from .._store.base import LINK, Entry, Lock, Store
 from .._store.handle_file import HandleFile
 from .._store.loc import Loc
-from .._store.registry import LOCAL, open_store, scheme_of
+from .._store.registry import LOCAL, check_root, local_path, open_store, scheme_of
 from .._util.torch_private import load_lightning_file
 from ..errors import CheckpointNotFoundError, ConfigError, SaveFailedError
+from . import trainer_hooks
 from .checkpoint_file import TEMP_NAME, CheckpointSlot
 
 logger = logging.getLogger(__name__)
@@ -120,7 +122,9 @@ class SafeCheckpointIO(CheckpointIO):
     by the next ``save_checkpoint``/``remove_checkpoint``/``load_checkpoint``/``wait``
     or by ``teardown()``, then cleared. Paths are local (or mounted) files, or
     ``s3://`` URLs: then ``storage_options`` (Lightning passes the Trainer's) are the S3
-    settings, over the standard ``AWS_*`` variables.
+    settings, over the standard ``AWS_*`` variables. As the Trainer starts, each
+    ``ModelCheckpoint``'s directory is checked, and ``fit(ckpt_path="last")`` finds the
+    ``last`` file of a URL dirpath (:mod:`.trainer_hooks`).
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class SafeCheckpointIO(CheckpointIO):
     ) -> None:
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ConfigError(f"SafeCheckpointIO(queue_depth={queue_depth!r}): must be a positive integer.")
+        trainer_hooks.install(SafeCheckpointIO)  # the Trainer's start: see trainer_hooks
         self.async_save = async_save
         self.queue_depth = queue_depth
         self.drain_timeout = drain_timeout
@@ -168,9 +173,9 @@ class SafeCheckpointIO(CheckpointIO):
         if not _is_rank_zero():
             return
         target = self._file(path, storage_options)
+        if target.store.url not in self._swept:  # this plugin's first save into the directory
+            self._sweep(target.parent, self._check(target.parent))
         target.store.make_dir(target.parent.key)
-        if target.store.url not in self._swept:
-            self._sweep(target.parent)
         if not self.async_save:
             _write(target, checkpoint)
             return
@@ -251,6 +256,17 @@ class SafeCheckpointIO(CheckpointIO):
         if self._writer is not None:
             self._writer.wait_idle()
         self._raise_pending()
+
+    def check_dir(self, dirpath: str | os.PathLike[str]) -> None:
+        """Raise a :class:`~safeckpt.CheckpointError` now if checkpoints cannot go into ``dirpath``
+        (a missing bucket, a directory that is or is under a file, a mistyped URL).
+
+        Called as the Trainer starts, for the directory of each ``ModelCheckpoint``, and at this
+        plugin's first save into a directory.
+        """
+        text = local_path(dirpath)
+        directory = os.path.abspath(text) if text is not None else os.fspath(dirpath).rstrip("/")
+        self._check(self._directory(directory))
 
     def pending_paths(self) -> list[Path | str]:
         """Paths with a save queued or being written, oldest first (URLs for ``s3://`` ones)."""
@@ -338,14 +354,25 @@ class SafeCheckpointIO(CheckpointIO):
             return
         d.deleter.schedule()
 
-    def _sweep(self, directory: Loc) -> None:
+    def _check(self, directory: Loc) -> list[Entry]:
+        """What ``directory`` holds; raises a :class:`~safeckpt.CheckpointError` if checkpoints
+        cannot go there (the raw error of a store would come later, from the writer thread)."""
+        top = directory.entry()
+        if top is None or top.kind != LINK:  # a linked directory is written through, as Lightning does
+            check_root(directory.store, writing=True)
+        try:
+            return directory.store.entries(directory.key)  # a missing bucket refuses a listing
+        except OSError as e:
+            raise root_not_writable(directory, e, doing="SafeCheckpointIO") from e
+
+    def _sweep(self, directory: Loc, listing: list[Entry]) -> None:
         """Trash the temp files of writes a crash interrupted (before this plugin's first save there).
 
         Only names this plugin's local writes make (``.<name>.tmp.<12 hex>``); one writer
         per directory is assumed, as Lightning writes from global rank 0 only.
         """
         self._swept.add(directory.store.url)
-        temps = [e for e in directory.store.entries(directory.key) if TEMP_NAME.fullmatch(e.name)]
+        temps = [e for e in listing if TEMP_NAME.fullmatch(e.name)]
         if not temps:
             return
         d = self._dir(directory)
@@ -370,15 +397,17 @@ class SafeCheckpointIO(CheckpointIO):
 
     def _file(self, path: str | os.PathLike[str], storage_options: Any | None = None) -> Loc:
         """``path`` as a file in the store of its directory (that store's root is the directory)."""
-        text = os.fspath(path)
-        if text.startswith("file://"):
-            text = text[len("file://") :]
-        if scheme_of(text) == LOCAL:
+        text = local_path(path)  # a file:// URL's path; a mistyped URL is refused, never created
+        if text is not None:
             _check_storage_options(storage_options)
             local = Path(os.path.abspath(text))
             directory, name = str(local.parent), local.name
         else:
-            directory, _, name = text.rstrip("/").rpartition("/")
+            directory, _, name = os.fspath(path).rstrip("/").rpartition("/")
+        return self._directory(directory, storage_options) / name
+
+    def _directory(self, directory: str, storage_options: Any | None = None) -> Loc:
+        """The store of ``directory`` (an absolute path or a URL), whose root it is; opened once."""
         with self._dirs_lock:
             root = self._roots.get(directory)
             if root is None or storage_options:
@@ -387,7 +416,7 @@ class SafeCheckpointIO(CheckpointIO):
                 else:
                     store = _open_url(directory, storage_options)
                 root = self._roots[directory] = Loc(store)
-        return root / name
+        return root
 
     def _raise_pending(self) -> None:
         with self._error_lock:
