@@ -5,7 +5,7 @@ the root as a writer, restores, then saves one step every ``--every`` seconds, a
 event to LOG as one line, flushed at once, so a test can follow it:
 
     opened <seconds since start>      the constructor returned (the root is its own)
-    restored <step or None>
+    restored <step or None> <seconds since start>
     committed <step> <seconds since start>
     refused <ErrorClass>              a CheckpointError ended it (exit status 3)
     closed
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, say: Any, started: float, error: Any, manager:
         with manager(args.root, async_save=args.async_save) as mgr:
             say(f"opened {time.monotonic() - started:.2f}")
             step = mgr.restore(state).step
-            say(f"restored {step}")
+            say(f"restored {step} {time.monotonic() - started:.2f}")
             first = (step or 0) + 1
             for n in range(first, first + args.steps):
                 state["w"].fill_(float(n))
