@@ -1,7 +1,7 @@
 """A training process on an ``s3://`` root that SIGKILLs itself at its N-th S3 request (test_s3_crash.py).
 
-Every request safeckpt makes goes through ``safeckpt._s3.client.Client`` (``_call`` and the
-paginated ``_pages``); this worker counts them and kills itself at the N-th, before it is sent.
+Every request safeckpt makes goes through ``safeckpt._s3.client.Client._retrying`` (each page of
+a listing too); this worker counts them and kills itself at the N-th, before it is sent.
 Each commit it knows of is appended to a log with an unbuffered write, so the test knows what
 was durable before the kill. Without N it prints how many requests the whole run made.
 """
@@ -38,18 +38,13 @@ def main() -> None:
             if count == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    real_call, real_pages = s3_client.Client._call, s3_client.Client._pages
+    real = s3_client.Client._retrying  # every request (and each page of a listing) goes through it
 
-    def call(self, operation, key, **args):  # type: ignore[no-untyped-def]
+    def request(self, key, attempt):  # type: ignore[no-untyped-def]
         tick()
-        return real_call(self, operation, key, **args)
+        return real(self, key, attempt)
 
-    def pages(self, operation, key, **args):  # type: ignore[no-untyped-def]
-        tick()
-        return real_pages(self, operation, key, **args)
-
-    s3_client.Client._call = call  # type: ignore[method-assign]
-    s3_client.Client._pages = pages  # type: ignore[method-assign]
+    s3_client.Client._retrying = request  # type: ignore[method-assign]
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     state = {"w": torch.zeros(1 << 12), "step": 0}
     with CheckpointManager(root, async_save=False, retention=Retention(keep_last=2)) as mgr:

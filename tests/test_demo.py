@@ -157,7 +157,7 @@ def test_sigterm_saves_the_step_it_is_at_and_the_resumed_run_ends_with_the_same_
 def test_demo_with_bad_options_fails_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a directory")
     proc = run_demo(tmp_path / "file" / "root")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a --dir under a file: refused as the bad option it is
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("safeckpt: error: ")
     assert "Traceback" not in proc.stderr

@@ -22,7 +22,7 @@ from safeckpt._s3.lease import LeaseLock
 from safeckpt._s3.spread import shard
 from safeckpt._store.registry import open_store
 from safeckpt.cli import main
-from safeckpt.errors import CheckpointError, ConfigError, LockTimeoutError
+from safeckpt.errors import CheckpointError, ConfigError, LockTimeoutError, RootUnreachableError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,14 +115,18 @@ def test_storage_options_on_a_local_path_are_refused(tmp_path: Path) -> None:
 
 def test_an_unreachable_server_is_a_checkpoint_error_that_says_where(s3_bucket) -> None:  # type: ignore[no-untyped-def]
     options = {"endpoint_url": "http://127.0.0.1:1", "max_attempts": 2}
-    with pytest.raises(CheckpointError, match="could not be reached") as info:
+    with pytest.raises(RootUnreachableError, match="cannot be reached") as info:
         safeckpt.CheckpointManager(s3_bucket.url("gone"), storage_options=options)
     assert "AWS_ENDPOINT_URL" in str(info.value)
 
 
-def test_a_missing_bucket_is_named(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_bucket_is_named(s3_bucket, capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(CheckpointError, match="does not exist"):
         safeckpt.CheckpointManager(f"s3://{s3_bucket.name}-missing/run")
+    # The command says it as the library does: the server's code, what it means, what to do.
+    assert main(["ls", f"s3://{s3_bucket.name}-missing/run"]) == 1
+    said = capsys.readouterr().err
+    assert "does not exist" in said and "create it" in said and said.count("\n") == 1, said
 
 
 # --- the commit protocol ----------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class DurableTier:
             lock_timeout=lock_timeout,
             retry_interval=retry_interval,
         )
+        self.session.tolerate_unreachable = True  # saves commit locally and wait for it
         # The durable root's pruning is a manager's: the same rules, held by the same checks.
         self._pruner = Committer(
             self.root,

@@ -61,6 +61,7 @@ class RootSession:
         # Staging names in use by other writers (other nodes' uploads of this run): never leftovers.
         self.keep_staging: Callable[[str], bool] | None = None
         self._claiming = threading.Lock()  # ensure_writer() runs on the caller's and the writer thread
+        self.tolerate_unreachable = False  # a second tier: saves wait for it (see open())
 
     def open(self) -> None:
         """Claim the root (before any restore), load the view.
@@ -70,7 +71,10 @@ class RootSession:
         previous owner on another machine is not yet proven dead. The owner recovers from an
         interrupted run and starts the deleter. A root this process cannot write is opened for
         reading, with a warning that names the cause; with ``read_only=True`` nothing is
-        written, nothing is claimed and nothing is said.
+        written, nothing is claimed and nothing is said. A root whose storage does not answer
+        at all is :class:`RootUnreachableError`, unless ``tolerate_unreachable`` (a second tier,
+        which saves wait for): then it opens empty, with a warning, and is claimed at its first
+        write.
         """
         check_root(self._store, writing=not self.read_only)  # a file, a link, or under a file
         raw = self._store.lock(timeout=self._lock_timeout)
@@ -82,15 +86,35 @@ class RootSession:
                 self._store.make_dir(self.root.key)
                 self.ownership.claim()
                 claimed = True
-            except ConnectionError as e:  # not a root this job can use now: said before any restore
-                raise unreachable(self.root, e, doing=f"opening {self.root}") from e
-            except OSError as e:  # a read-only root or snapshot: restore still works
+            except OSError as e:  # a read-only root or snapshot, a server refusing writes: reads work
                 error = root_not_writable(self.root, e, doing=f"opening {self.root}")
+                if not self._readable(e):
+                    return
                 logger.warning("safeckpt: %s Restoring works; save() raises until this is fixed.", error)
         if claimed:
             self._take_root()
-        else:
+        elif self._readable(None):
             self._load_view(self._read_catalog())
+
+    def _readable(self, refused: OSError | None) -> bool:
+        """Whether the root can be read (after ``refused``, a write that failed): a storage that does
+        not answer at all is :class:`RootUnreachableError`, or, tolerated, an empty view."""
+        if refused is not None and not isinstance(refused, ConnectionError):
+            return True
+        try:
+            self._store.entry(self.root.key)
+            return True
+        except ConnectionError as e:
+            if not self.tolerate_unreachable:
+                raise unreachable(self.root, e, doing=f"opening {self.root}") from e
+            logger.warning(
+                "safeckpt: %s cannot be reached now (%s); saves wait on the first tier and go up once it "
+                "answers",
+                self.root,
+                e,
+            )
+            self._view.load([], None, next_seq=0)
+            return False
 
     def move_damaged_aside(self) -> None:
         """Move what a restore stepped over to ``.damaged/``, if this manager owns the root."""

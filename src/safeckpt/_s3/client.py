@@ -75,6 +75,7 @@ class Unreachable(S3Error, ConnectionError):
     def __init__(self, code: str, status: int, message: str, key: str) -> None:
         super().__init__(code, status, message, key)
         self.errno = errno.EHOSTUNREACH
+        self.strerror = message  # the message says it all: no code or status of a reply to show
 
 
 @dataclass(frozen=True)
@@ -351,11 +352,17 @@ class Client:
 
     def upload_size(self, key: str, upload_id: str) -> int:
         """Bytes in the parts of the unfinished upload ``upload_id`` of ``key`` (0 once it is gone)."""
-        try:
-            pages = list(self._pages("list_parts", key, Key=key, UploadId=upload_id))
-        except NotFound:  # completed or aborted meanwhile
-            return 0
-        return sum(int(part.get("Size", 0)) for page in pages for part in page.get("Parts") or ())
+        size = 0
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "UploadId": upload_id}
+        while True:
+            try:
+                page = self._call("list_parts", key, **args)
+            except NotFound:  # completed or aborted meanwhile
+                return 0
+            size += sum(int(part.get("Size", 0)) for part in page.get("Parts") or ())
+            if not page.get("IsTruncated"):
+                return size
+            args["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
 
     # --- plumbing ---------------------------------------------------------------------------------
 
@@ -462,8 +469,15 @@ def _as_os_error(error: Exception, key: str) -> Exception:
         ):
             return NotFound(errno.ENOENT, "no such object", key)
         return S3Error(code or "Error", status, str(info.get("Message", error)), key)
-    if isinstance(error, BotoCoreError):  # no connection, a timeout, after every retry
+    from botocore.exceptions import ConnectionError as NoConnection
+    from botocore.exceptions import HTTPClientError, NoCredentialsError, PartialCredentialsError
+
+    if isinstance(error, (NoConnection, HTTPClientError)):  # no connection, a timeout
         return S3Error(type(error).__name__, 0, str(error), key)
+    if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
+        return S3Error("NoCredentials", 401, str(error), key)
+    if isinstance(error, BotoCoreError):  # a request this side could not make (a bad parameter)
+        return S3Error(type(error).__name__, 400, str(error), key)
     if isinstance(error, OSError):
         return error
     # Anything else is a reply botocore could not make sense of (a bad date, a broken XML body):

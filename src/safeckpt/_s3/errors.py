@@ -17,6 +17,15 @@ def explain_error(location: Location, error: OSError) -> tuple[str, str]:
     code = getattr(error, "code", "")
     if code == "NoSuchBucket" or (isinstance(error, NotFound) and "bucket" in str(error).lower()):
         return f"the bucket {location.bucket!r} does not exist", "create it, or fix the URL's bucket name"
+    if code == "NoCredentials":
+        return "no credentials were found", (
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, an instance role, or "
+            "storage_options['key'] and ['secret'])"
+        )
+    if code == "NotImplemented" or getattr(error, "status", 0) == 501:
+        return f"the server does not implement a request safeckpt needs ({error.strerror})", (
+            "use an S3 server that implements it, or report which one this is"
+        )
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or error.errno == errno.EACCES:
         return f"access denied ({code or 'permission'})", (
             "check the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or storage_options) and "

@@ -8,8 +8,9 @@ makes an outage cost minutes per request, and a public call makes many. So:
   deadline run out, whichever comes first (a service that has never answered in
   this process gets a short deadline: a closed port at open is a mistake to
   report, not a blip to wait out);
-* a request that gives up because nothing answered, or because the service kept
-  failing (5xx, throttling), marks the service *down*;
+* a request that gives up because nothing answered marks the service *down*
+  (one that gave up on a service that kept answering 5xx or throttling does
+  not: that service answers, fast, and each request keeps its own deadline);
   while it is down, requests fail at once, except one *probe* every few seconds
   that tries once; the first answer marks it up again.
 
@@ -95,8 +96,10 @@ def call_with_deadline(
     """``attempt()`` until it succeeds, fails for good, or runs out of ``attempts`` or of
     ``deadline`` seconds (see the module doc). ``classify`` says what a failure was;
     ``unreachable(last error, seconds down)`` is what a request raises while the service is
-    down. A request that ran out of tries while nothing answered (SILENT), or while the service
-    kept failing (RETRY: 5xx, throttling), marks it down: either way it is not available now."""
+    down. A request that ran out of tries while nothing answered (SILENT) marks it down; one
+    that ran out while the service kept failing (RETRY: 5xx, throttling) does not (it answers,
+    and each request has its own deadline), but either raises ``unreachable``: not available
+    now, which the caller must never take for a refusal or for damage."""
     admission = reach.admit()
     if admission is Admission.REFUSE:
         raise unreachable(ConnectionError("not tried: the service is down"), reach.down_for() or 0.0)
@@ -118,8 +121,9 @@ def call_with_deadline(
             wait = pause * (0.5 + random.random())
             final = outcome in (Outcome.DONE, Outcome.ANSWERED) or tried >= attempts
             if final or time.monotonic() + wait >= ends:
-                if outcome in (Outcome.SILENT, Outcome.RETRY):
+                if outcome is Outcome.SILENT:
                     reach.gave_up()
+                if outcome in (Outcome.SILENT, Outcome.RETRY):  # not available now: never damage
                     raise unreachable(e, reach.down_for() or 0.0) from e
                 raise
             time.sleep(wait)

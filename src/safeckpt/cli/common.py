@@ -196,6 +196,7 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED
     except BaseException as e:
+        e = _from_the_storage(e, args)
         match = next(((code, hint) for kind, code, hint in ERRORS if isinstance(e, kind)), None)
         if match is None:
             raise  # not ours to explain: a bug, shown with its traceback
@@ -204,6 +205,27 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
             traceback.print_exc()
         print(f"safeckpt: error: {describe(e)}{hint}", file=sys.stderr)
         return code
+
+
+def _from_the_storage(error: BaseException, args: argparse.Namespace) -> BaseException:
+    """A raw error of a URL root's storage (a server's refusal, no answer) as the library says it:
+    with the server's code, what it means and what to do (its store explains it), and
+    :class:`~safeckpt.RootUnreachableError` for a server that does not answer."""
+    root = getattr(args, "root", None)
+    if not isinstance(error, OSError) or isinstance(error, CheckpointError) or not isinstance(root, str):
+        return error
+    if "://" not in root or root.startswith("file://"):
+        return error  # a local root's errors are the filesystem's own, said as they are
+    from .._dist.failures import unreachable
+
+    top = as_root(root)
+    if isinstance(error, ConnectionError):
+        explained: BaseException = unreachable(top, error, doing=f"safeckpt {args.command}")
+    else:
+        cause, remedy = top.store.explain_error(error)
+        explained = CheckpointError(f"{root}: {cause}. To fix it: {remedy}.", path=root)
+    explained.__cause__ = error
+    return explained
 
 
 def describe(error: BaseException) -> str:
