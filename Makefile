@@ -53,7 +53,12 @@ $(VENV)/.installed: $(VENV)/.installed-demo
 	$(PIP) install -q -c constraints/ci.txt -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# Test servers from npm (s3rver: an S3 server that is not moto), pinned by tests/npm/package-lock.json.
+tests/npm/node_modules/.installed: tests/npm/package.json tests/npm/package-lock.json
+	cd tests/npm && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+setup: $(VENV)/.installed tests/npm/node_modules/.installed
 
 # FUSE backs the NFS-semantics test filesystem; as root we install it, elsewhere
 # the FUSE tests skip with a reason (and fail loudly under CI=true).

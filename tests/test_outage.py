@@ -197,3 +197,24 @@ def test_a_servers_date_header_is_untrusted_input(s3_proxy, s3_bucket, kind: str
         assert mgr.restore(restored).step == 1 and float(restored["w"][0]) == 1.0
         mgr.save(2, state(2))
     assert float(safeckpt.load(url)["w"][0]) == 2.0
+
+
+def test_a_restore_cut_off_by_an_outage_is_not_taken_for_damage(s3_proxy, s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    """A storage failure mid-restore is RootUnreachableError: no fallback to an older step, and
+    the newest one is not moved aside as damaged."""
+    url = s3_bucket.url("run")
+    with CheckpointManager(url, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+    with CheckpointManager(url, storage_options=SHORT) as mgr:
+        # Its data cannot be read (a server failing, after every retry) while the rest can: the
+        # fallback rules see one checkpoint that failed to load, and must not take it for damage.
+        s3_proxy.fail_next(10_000, status=503, code="ServiceUnavailable", method="GET", path_contains=".distcp")
+        with Timer() as t, pytest.raises(RootUnreachableError):
+            mgr.restore(state(0))
+        assert t.took < BOUND, t.took
+        s3_proxy.clear()
+    with reopened(url) as again:
+        restored = state(0)
+        assert again.restore(restored).step == 2 and float(restored["w"][0]) == 2.0
+    assert not [k for k in s3_bucket.keys() if "/.damaged/" in k]  # noqa: SIM118

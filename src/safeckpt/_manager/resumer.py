@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._dcp import safe_metadata
 from .._dcp.options import IOOptions
 from .._dcp.options import using as using_io
+from .._dist.failures import storage_error
 from .._dist.participants import Participants, agreed_error
 from .._dist.participants import portable as _portable
 from .._format.identity import Fate, fate_of
@@ -41,7 +42,7 @@ from .._restore.tiers import choose_across
 from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
-from ..errors import IncompleteCheckpointError
+from ..errors import CheckpointError, IncompleteCheckpointError
 from .damaged import DamagedCommits
 from .outcomes import Outcomes
 from .session import RootSession
@@ -109,7 +110,12 @@ class Resumer:
     ) -> Restored:
         """Load a checkpoint into ``state`` (see :meth:`CheckpointManager.restore`)."""
         with using_io(self._io):
-            return self._restore(state, step, path, strict=strict, include=include, exclude=exclude)
+            try:
+                return self._restore(state, step, path, strict=strict, include=include, exclude=exclude)
+            except OSError as e:  # the storage's own failure (a checkpoint's is a CheckpointError)
+                if isinstance(e, CheckpointError):
+                    raise
+                raise storage_error(self._layout.root, e, doing="restore()") from e
 
     def _restore(
         self,

@@ -32,6 +32,7 @@ from .._format.record import amend_record, read_record
 from .._root.copy import CopyStopped
 from .._root.withdraw import set_aside
 from .._store.base import Lock
+from .._util.failure_log import FailureLog
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -77,6 +78,7 @@ class Uploader:
         self._wake = threading.Event()  # cuts a pause short: close(), or a wait for durability
         self._closed = False
         self._failures = 0  # tries in a row that failed (the pause grows with them)
+        self._said = FailureLog(logger, f"the uploader to {durable.root}")
         self._last_error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -307,6 +309,8 @@ class Uploader:
         with self._cond:
             if self._queue and self._queue[0] is head:
                 self._queue.popleft()
+            if self._failures:
+                self._said.worked()
             self._failures, self._last_error = 0, None
             self._cond.notify_all()
 
@@ -366,12 +370,10 @@ class Uploader:
             step = self._queue[0].record.step if self._queue else None
             self._cond.notify_all()
         pause = min(_MAX_PAUSE, self._retry_interval * 2 ** (failures - 1))
-        log = logger.warning if failures == 1 or failures % 10 == 0 else logger.info
-        log(
-            "safeckpt: uploading step %s to %s failed (%s); it stays on the local disk and is tried "
-            "again in %.0f s",
+        self._said.failed(  # one line per kind of failure, not one per try
+            type(error).__name__,
+            "uploading step %s failed (%s); it stays on the local disk and is tried again, first in %.0f s",
             step,
-            self._durable.root,
             error,
             pause,
         )

@@ -31,6 +31,7 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    RootUnreachableError,
     UnsupportedStateError,
 )
 
@@ -125,20 +126,30 @@ def kept_changing(directory: Loc, record: Record) -> IncompleteCheckpointError:
     )
 
 
+def cut_off(error: BaseException, directory: Loc, record: Record) -> CheckpointError | None:
+    """The :class:`RootUnreachableError` of a read the storage cut off (``error``, or the failure
+    inside DCP's ``CheckpointException``), else None: the storage, not the checkpoint, so it is
+    never damage that auto-resume steps over."""
+    if isinstance(error, CheckpointException):
+        found = dcp_io.failure_of(error, ConnectionError)
+        error = found if found is not None else error
+    if not isinstance(error, ConnectionError) or isinstance(error, CheckpointError):
+        return error if isinstance(error, RootUnreachableError) else None
+    return unreachable(directory.parent, error, doing=f"reading step {record.step}", step=record.step)
+
+
 def as_read_error(error: BaseException, directory: Loc, record: Record) -> BaseException:
     """A failed read of a checkpoint as its reader sees it: never a raw ``OSError`` nor DCP's
     ``CheckpointException``, but safeckpt's own error (damage is one auto-resume steps over)."""
     if isinstance(error, CheckpointError):
         return error
-    if isinstance(error, ConnectionError):  # the storage, not the checkpoint: never stepped over
-        return unreachable(directory.parent, error, doing=f"reading step {record.step}", step=record.step)
+    storage = cut_off(error, directory, record)
+    if storage is not None:
+        return storage
     if isinstance(error, CheckpointException):
         ours = dcp_io.our_failure(error)
         if ours is not None:
             return ours
-        cut_off = dcp_io.failure_of(error, ConnectionError)
-        if cut_off is not None:
-            return as_read_error(cut_off, directory, record)
         text = f"loading step {record.step} from {directory} failed: {error}"
     elif isinstance(error, OSError):
         text = f"step {record.step} in {directory} could not be read ({type(error).__name__}: {error})"

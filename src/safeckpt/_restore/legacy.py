@@ -31,6 +31,7 @@ from .._format.record import Record
 from .._state.walk import module_for
 from .._store.loc import Loc
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
+from .choose import cut_off
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ def load_legacy(
         try:
             dcp_io.load(dcp_part, directory, parts.control)
         except CheckpointException as e:
+            storage = cut_off(e, directory, record)  # the storage's failure: never damage
+            if storage is not None:
+                raise storage from e
             raise IncompleteCheckpointError(
                 f"loading step {record.step} from {directory} failed: {e}. Restore another step.",
                 step=record.step,

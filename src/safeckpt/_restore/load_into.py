@@ -21,6 +21,7 @@ from .._state.train_state import Legacy, read_tree, restore_rng
 from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from ..errors import IncompleteCheckpointError, UnsupportedStateError
+from .choose import cut_off
 from .legacy import load_legacy
 from .load_plan import LoadPlan, LoadReport, Selection
 
@@ -135,6 +136,9 @@ def _load_checkpoint(
         try:
             dcp_io.load_flat(plan.dcp, directory, parts.control, record=record, metadata=metadata)
         except CheckpointException as e:
+            storage = cut_off(e, directory, record)  # the storage's failure: never damage
+            if storage is not None:
+                raise storage from e
             raise IncompleteCheckpointError(
                 f"loading step {record.step} from {directory} failed: {e}. Restore another step.",
                 step=record.step,

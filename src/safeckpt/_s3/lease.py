@@ -35,6 +35,7 @@ import time
 import uuid
 from types import TracebackType
 
+from .._util.failure_log import FailureLog
 from .._util.processes import machine, pid_alive, process_start
 from ..errors import LockTimeoutError
 from .client import Client, NotFound, PreconditionFailed
@@ -65,6 +66,7 @@ class _Lease:
         self.released: str | None = None  # the ETag of our own released body, to take it back at once
         self.seen: tuple[str, float] | None = None  # a holder's ETag and when this process first saw it
         self.checked = False  # the server was found to honour conditional writes (.conditions)
+        self.said = FailureLog(logger, f"the lock {url}")
 
 
 _leases: dict[tuple[str, str], _Lease] = {}
@@ -270,8 +272,10 @@ class LeaseLock:
                 state.lost = True
                 logger.error("safeckpt: the lock %s was taken over while held (a lease ran out)", self.path)
                 return
-            except OSError as e:
-                logger.warning("safeckpt: could not renew the lock %s (%s); retrying", self.path, e)
+            except OSError as e:  # said once per kind, while it keeps failing
+                state.said.failed(type(e).__name__, "could not renew it (%s); retrying", e)
+            else:
+                state.said.worked()
 
     def _timeout_error(self) -> LockTimeoutError:
         return LockTimeoutError(

@@ -29,12 +29,16 @@ class FailureLog:
         level = logging.WARNING if count == 0 else logging.DEBUG
         self._logger.log(level, "safeckpt: %s: " + message, self._what, *args)
 
-    def worked(self, kind: str) -> None:
-        """``kind`` worked again: say so once, if it had failed."""
+    def worked(self, kind: str | None = None) -> None:
+        """``kind`` (None: every kind) worked again: say so once, if it had failed."""
         with self._guard:
-            count = self._failing.pop(kind, 0)
+            if kind is None:
+                count = sum(self._failing.values())
+                self._failing.clear()
+            else:
+                count = self._failing.pop(kind, 0)
         if count:
-            self._logger.info("safeckpt: %s: %s works again (after %d failure(s))", self._what, kind, count)
+            self._logger.info("safeckpt: %s: works again (after %d failure(s))", self._what, count)
 
     def failing(self, kind: str) -> bool:
         with self._guard:
