@@ -124,6 +124,19 @@ SECTIONS: tuple[Section, ...] = (
         quick=("--size-gib", "0.1", "--reps", "3"),
     ),
     Section(
+        key="bench_restart",
+        title="A job killed with -9 and restarted: time to its first commit",
+        command=(PYTHON, "benchmarks/bench_restart.py"),
+        quick=("--rounds", "1"),
+        runs=1,  # rounds in one run, against the targets; prints its own Markdown
+    ),
+    Section(
+        key="bench_outage",
+        title="Object storage that goes away: how long each call takes to end",
+        command=(PYTHON, "benchmarks/bench_outage.py"),
+        runs=1,  # one pass of each scenario, against the bounds; prints its own Markdown
+    ),
+    Section(
         key="bench_startup",
         title="Start-up of the command",
         command=(PYTHON, "benchmarks/bench_startup.py"),
