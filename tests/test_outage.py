@@ -209,7 +209,9 @@ def test_a_restore_cut_off_by_an_outage_is_not_taken_for_damage(s3_proxy, s3_buc
     with CheckpointManager(url, storage_options=SHORT) as mgr:
         # Its data cannot be read (a server failing, after every retry) while the rest can: the
         # fallback rules see one checkpoint that failed to load, and must not take it for damage.
-        s3_proxy.fail_next(10_000, status=503, code="ServiceUnavailable", method="GET", path_contains=".distcp")
+        s3_proxy.fail_next(
+            10_000, status=503, code="ServiceUnavailable", method="GET", path_contains=".distcp"
+        )
         with Timer() as t, pytest.raises(RootUnreachableError):
             mgr.restore(state(0))
         assert t.took < BOUND, t.took

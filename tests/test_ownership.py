@@ -8,6 +8,8 @@ time a restart takes with the library's defaults is measured by benchmarks/bench
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import signal
@@ -172,14 +174,38 @@ def test_clock_skew_never_displaces_a_live_writer(
     assert "refused" not in " ".join(first.lines())
 
 
+def pause_outside_the_lock(job: Job, url: str) -> None:
+    """SIGSTOP ``job`` at a moment it holds no sidecar lock. A local root's lock is ``flock``, which
+    a stopped process keeps: a writer paused inside a commit blocks every other one (for up to
+    its ``lock_timeout``) until it resumes, and is then still the owner. That case is not this
+    test's; an S3 lease runs out by itself, so there any moment will do."""
+    for _ in range(200):
+        job.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.05)  # the stop has landed
+        if "://" in url:
+            return
+        with open(Path(url) / ".lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                job.proc.send_signal(signal.SIGCONT)
+                time.sleep(0.05)
+                continue
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return
+    raise AssertionError("the job always held its root's lock")
+
+
+@pytest.mark.parametrize("host", ["node-a", None], ids=["another machine", "this machine"])
 def test_a_paused_writer_that_was_taken_over_finds_out_at_its_next_save_and_touches_nothing(
-    url: str, tmp_path: Path, jobs: list[Job], short_promise: None
+    url: str, tmp_path: Path, jobs: list[Job], short_promise: None, host: str | None
 ) -> None:
-    first = Job(url, tmp_path / "a.log", *SHORT, host="node-a")
+    """Paused, its pid still runs: on this machine too, only its heartbeat can tell (a process
+    that dropped its manager without closing it is the same case)."""
+    first = Job(url, tmp_path / "a.log", *SHORT, host=host)
     jobs.append(first)
     first.wait_for("committed 3")
-    first.proc.send_signal(signal.SIGSTOP)  # a frozen VM: its heartbeat stops, its process does not end
-    time.sleep(0.5)  # a save it had in flight ends before the stop lands
+    pause_outside_the_lock(first, url)  # a frozen VM: its heartbeat stops, its process does not end
     paused_at = first.committed()[-1]
     state = {"w": torch.zeros(64)}
     with CheckpointManager(url, async_save=False) as mgr:  # waits out its promise, then takes over
@@ -241,3 +267,39 @@ def test_a_lock_taken_for_a_write_proves_the_root_is_still_ours(root: Path) -> N
     finally:
         ownership.release()
     assert "theirs" in (root / ".owner").read_text()  # the new owner's record, untouched
+
+
+def test_gc_never_takes_a_live_writer_on_another_machine_for_dead(
+    tmp_path: Path, jobs: list[Job]
+) -> None:
+    """gc watches the owner's heartbeat before it takes the root's lock: under it, the heartbeat
+    (which needs the lock) could not show, and a live writer would look dead."""
+    root = str(tmp_path / "ckpt")
+    first = Job(root, tmp_path / "a.log", *SHORT, "--every", "0.05", host="node-a")
+    jobs.append(first)
+    first.wait_for("committed 3")
+    done = subprocess.run(
+        [sys.executable, "-m", "safeckpt", "gc", root, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["owner_alive"] is True, report
+    assert all(i["action"] != "removed" for i in report["items"] if i["kind"] in ("staging", "trash")), report
+    before = first.committed()[-1]
+    first.wait_for(f"committed {before + 3}")  # the job goes on, its saves whole
+    assert "refused" not in " ".join(first.lines())
+
+
+def test_a_root_whose_owner_record_went_away_is_claimed_again_and_pruned_as_before(root: Path) -> None:
+    with CheckpointManager(root, async_save=False, retention=safeckpt.Retention(keep_last=1)) as mgr:
+        mgr.save(1, {"w": torch.zeros(4)})
+        (root / ".owner").unlink()  # by hand: the job finds out, and claims the root again
+        for step in (2, 3, 4):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        owner = read_owner(root)
+        assert owner is not None and owner.pid == os.getpid()
+        deadline = time.monotonic() + 30  # the deleter runs again: the trash empties in the background
+        while list((root / ".trash").iterdir()):
+            assert time.monotonic() < deadline, list((root / ".trash").iterdir())
+            time.sleep(0.05)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_4"]

@@ -16,6 +16,7 @@ from torch import nn
 
 import safeckpt
 from other_host import needs_other_host, on_host
+from safeckpt._s3 import lease as s3_lease
 from safeckpt._s3.aliases import AREA, CLAIMS
 from safeckpt._s3.client import PreconditionFailed
 from safeckpt._s3.lease import LeaseLock
@@ -375,9 +376,25 @@ def test_a_lease_held_by_a_dead_process_on_another_machine_frees_itself_when_it_
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize(
+    "body,age,seen_for,free",
+    [
+        ({"released": True}, 0.0, 0.0, True),
+        ({}, 2.0, 100.0, False),  # the server says it was renewed 2 s ago: held, however long watched
+        ({}, 22.5, 0.0, True),  # the server says it ran out
+        ({}, None, 5.0, False),  # no usable date: held until seen unchanged for a whole lease
+        ({}, None, 22.5, True),
+        ({"host": "elsewhere", "boot_id": "b", "pid_ns": "n", "pid": 1}, 0.0, 0.0, False),
+    ],
+)
+def test_when_a_lease_is_free(body: dict, age: float | None, seen_for: float, free: bool) -> None:  # type: ignore[type-arg]
+    assert (s3_lease._free(body, age, 20.0, seen_for) is not None) is free
+
+
 _OTHER_HOLDER = """
 import sys
 from safeckpt._store.registry import open_store
+from safeckpt._s3 import lease as s3_lease
 from safeckpt._s3.lease import LeaseLock
 from safeckpt._s3.spread import shard
 from safeckpt.errors import LockTimeoutError
@@ -393,6 +410,7 @@ except LockTimeoutError:
 _DIE_HOLDING = """
 import os, signal, sys
 from safeckpt._store.registry import open_store
+from safeckpt._s3 import lease as s3_lease
 from safeckpt._s3.lease import LeaseLock
 from safeckpt._s3.spread import shard
 store = open_store(sys.argv[1])

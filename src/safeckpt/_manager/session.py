@@ -20,7 +20,7 @@ from .._root.removal import Deleter
 from .._root.startup import take_root
 from .._store.base import DIR, Lock
 from .._store.registry import check_root
-from ..errors import RootInUseError, RootNotWritableError
+from ..errors import CheckpointError, RootInUseError, RootNotWritableError
 from .damaged import DamagedCommits
 from .saves import Committed, SaveView
 
@@ -92,7 +92,13 @@ class RootSession:
                     return
                 logger.warning("safeckpt: %s Restoring works; save() raises until this is fixed.", error)
         if claimed:
-            self._take_root()
+            try:
+                self._take_root()
+            except BaseException as e:  # the claim goes with the error: no owner left behind alive
+                self.release()
+                if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+                    raise storage_error(self.root, e, doing=f"opening {self.root}") from e
+                raise
         elif self._readable(None):
             self._load_view(self._read_catalog())
 
@@ -155,7 +161,7 @@ class RootSession:
         self.move_damaged_aside()  # what a restore stepped over before this manager owned the root
         if self.deleter is None:
             self.deleter = Deleter(self._layout, self.lock, retry_interval=self._retry_interval)
-            self.deleter.start()
+        self.deleter.start()  # again, if it stopped when the root was lost
         self.deleter.schedule()
 
     def _load_view(self, catalog: Catalog) -> None:

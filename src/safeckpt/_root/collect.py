@@ -37,7 +37,8 @@ from .._format.catalog import damaged_note
 from .._format.layout import STAGING_NAME, TRASH_NAME, Layout, parse_step_dirname
 from .._store.base import DIR, FILE, Entry, Lock, Store
 from .._store.loc import Loc, as_root
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError
+from .owner_record import read_owner_raw
 from .ownership import live_writer, read_owner
 from .removal import (
     Deleter,
@@ -114,18 +115,27 @@ class GcReport:
         }
 
 
-def owner_state(root: Loc, *, stale_after: float | None = None) -> tuple[bool | None, str]:
-    """Whether the writer that owns ``root`` is alive (None: no owner record), and who it is.
+def owner_state(root: Loc, *, stale_after: float | None = None) -> tuple[bool | None, str, bytes | None]:
+    """Whether the writer that owns ``root`` is alive (None: no owner record), who it is, and its
+    record's bytes as last seen.
 
-    An owner on another machine is watched for up to ``stale_after`` s (default: the
+    An owner whose pid cannot tell is watched for up to ``stale_after`` s (default: the
     ``dead_after`` it promised, saying so once), and counts as alive unless it is proven dead.
+    Never called with the root's lock held: the owner's heartbeat needs it to show it is alive.
     """
     owner = read_owner(root)
     if owner is None:
-        return None, "no owner record"
+        return None, "no owner record", None
     live = live_writer(root, patience=owner.dead_after if stale_after is None else stale_after)
     alive = live is not None
-    return alive, f"{(live or owner).describe()} ({'alive' if alive else 'gone'})"
+    return alive, f"{(live or owner).describe()} ({'alive' if alive else 'gone'})", _record_bytes(root)
+
+
+def _record_bytes(root: Loc) -> bytes | None:
+    try:
+        return read_owner_raw(root)
+    except (OSError, CheckpointError):
+        return None
 
 
 def collect_garbage(
@@ -164,8 +174,12 @@ def _collect(
     drain_timeout: float,
     stale: float | None,
 ) -> GcReport:
+    alive, who, seen = owner_state(layout.root, stale_after=stale)  # outside the lock: see there
     with lock:
-        alive, who = owner_state(layout.root, stale_after=stale)
+        if alive is not True and _record_bytes(layout.root) != seen:  # a heartbeat, or a new owner
+            current = read_owner(layout.root)
+            alive = True
+            who = f"{current.describe()} (alive)" if current is not None else who
         report = GcReport(layout.root, dry_run, who, alive)
         # no live writer: its owner is gone, or there is no owner record (nobody claimed the root;
         # a writer claims it under this lock before it stages a save, so none can start meanwhile)

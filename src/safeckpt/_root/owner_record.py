@@ -3,13 +3,15 @@
 Evidence, never a guess (see :mod:`.ownership` for the protocol built on it):
 
 * On the same machine as the owner (the same hostname, boot id and pid namespace, so
-  neither a container on the same kernel nor a rebooted host is fooled), at once: its
-  pid and that pid's start time.
-* Anywhere else, by watching: the owner rewrites its record every ``beat_every`` s, so
+  neither a container on the same kernel nor a rebooted host is fooled), a pid that is
+  gone (or now another process's) proves it dead at once.
+* Otherwise, by watching: the owner rewrites its record every ``beat_every`` s, so
   a record that changes while it is watched names a live owner, and one that stays the
   same for the ``dead_after`` s its owner promised, measured on the watcher's own
-  monotonic clock, names a dead one. No time written by another host is compared with
-  this host's clock, so clock skew cannot make a live owner look dead.
+  monotonic clock, names a dead one: on another machine, or on this one when its pid
+  still runs (a paused process, or one that dropped its manager without closing it). No
+  time written by another host is compared with this host's clock, so clock skew cannot
+  make a live owner look dead.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ OWNER_NAME = ".owner"
 BEAT_EVERY = 5.0
 """How often an owner rewrites its record (its heartbeat)."""
 DEAD_AFTER = 20.0
-"""How long an owner's record may stay unchanged before a watcher on another machine takes it
-for dead: four heartbeats, so a writer whose storage is slow for a few seconds keeps its root."""
+"""How long an owner's record may stay unchanged before a watcher takes it for dead: four
+heartbeats, so a writer whose storage is slow for a few seconds keeps its root."""
+_OLD_DEAD_AFTER = 120.0  # a record of a safeckpt before heartbeats were promised (beats every 10 s)
 _LONGEST_PROMISE = 3600.0  # a record cannot make a watcher wait longer than this
 _RECORD_LIMIT = 64 << 10
 
@@ -107,7 +110,7 @@ class Owner:
             pid_ns=optional("pid_ns", str),
             beat=int(data.get("beat", 0)),
             beat_every=float(data.get("beat_every", BEAT_EVERY)),
-            dead_after=min(max(float(data.get("dead_after", DEAD_AFTER)), 0.1), _LONGEST_PROMISE),
+            dead_after=min(max(float(data.get("dead_after", _OLD_DEAD_AFTER)), 0.1), _LONGEST_PROMISE),
         )
 
 
@@ -178,9 +181,9 @@ class OwnerWatch:
         if owner.on_this_machine():
             if owner.pid == os.getpid() and self._live_token is not None:
                 alive = bool(self._live_token(owner.token))  # a manager of this process, or one dropped
-            else:
-                alive = owner.process_alive()
-            return Look(Verdict.ALIVE if alive else Verdict.DEAD, owner)
+                return Look(Verdict.ALIVE if alive else Verdict.DEAD, owner)
+            if not owner.process_alive():
+                return Look(Verdict.DEAD, owner)
         now = time.monotonic()
         if raw != self._seen:
             if self._seen is not None:

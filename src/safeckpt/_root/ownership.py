@@ -10,10 +10,10 @@ The protocol (also in ``docs/format.md``, "One writer per root"):
 * A claim takes the root when there is no owner record, or the owner is proven
   dead (:mod:`.owner_record`): on the same machine at once, by its pid; from
   elsewhere once its record has stayed the same for the ``dead_after`` seconds it
-  promised, on the claimant's own monotonic clock. A record seen to change is a
-  live owner: :class:`RootInUseError` at once (after a short grace on the same
-  machine, for an owner closing right then). While it waits, the claimant says so
-  once, naming the owner and the time left.
+  promised, on the claimant's own monotonic clock (a live pid on this machine is
+  watched the same way: a paused process, or a manager dropped without close()).
+  A record seen to change is a live owner: :class:`RootInUseError` at once. While
+  it waits, the claimant says so once, naming the owner and the time left.
 * The owner's heartbeat thread rewrites the record every ``beat_every`` s while it
   is still its own.
 * A writer that was paused (SIGSTOP, a frozen VM) or cut off long enough to be
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OWNER_NAME", "OwnedLock", "Owner", "Ownership", "in_use_error", "live_writer", "read_owner"]
 
-LIVE_OWNER_GRACE = 3.0  # an owner on this machine that is closing right then
 _POLL = 0.5
 
 # The claims of this process still held by a live Ownership object: an owner record with this
@@ -116,8 +115,8 @@ def live_writer(root: Loc, *, patience: float = 0.0) -> Owner | None:
 def _say_waiting(root: Loc, look: owner_record.Look, left: float) -> None:
     assert look.owner is not None
     logger.warning(
-        "safeckpt: %s is owned by %s, on another machine; waiting up to %.0f s to see whether it is "
-        "alive (its record changes every %g s while it runs; if it does not, it is taken for dead).",
+        "safeckpt: %s is owned by %s; waiting up to %.0f s to see whether it is alive (its record "
+        "changes every %g s while it runs; if it does not, it is taken for dead).",
         root,
         look.owner.describe(),
         left,
@@ -189,15 +188,9 @@ class Ownership:
         self._beat_every = owner_record.BEAT_EVERY
         self._dead_after = owner_record.DEAD_AFTER
         watch = OwnerWatch(self._root, token=self._token, live_token=_held_here)
-        grace_until: float | None = None
         said = False
         while True:
             look = watch.look()
-            if look.verdict is Verdict.ALIVE and look.owner is not None and look.owner.on_this_machine():
-                grace_until = grace_until or time.monotonic() + LIVE_OWNER_GRACE
-                if time.monotonic() < grace_until and look.owner.pid != os.getpid():
-                    time.sleep(_POLL / 2)
-                    continue
             if look.verdict is Verdict.ALIVE:
                 raise in_use_error(self._root, look.owner)
             if look.verdict is Verdict.WATCHING:
@@ -227,7 +220,13 @@ class Ownership:
     def check(self) -> None:
         """Under the lock, before a write: :class:`RootInUseError` unless the root is still ours."""
         if not self.claimed:
-            raise in_use_error(self._root, self.lost_to, lost=self.lost_to is not None)
+            if self.lost_to is not None:
+                raise in_use_error(self._root, self.lost_to, lost=True)
+            raise RootInUseError(
+                f"this job does not hold {self._root} now (its owner record went away, with the root "
+                "or by hand); nothing is written under it until its next save claims it again.",
+                path=str(self._root),
+            )
         owner = owner_record.parse_owner(read_owner_raw(self._root))
         if owner is not None and owner.token == self._token:
             return
@@ -269,8 +268,8 @@ class Ownership:
             self._write()
 
     def _start_heart(self) -> None:
-        if self._heart is not None and self._heart.is_alive():
-            return
+        if self._heart is not None and self._heart.is_alive() and not self._stop.is_set():
+            return  # (a heart told to stop, still ending, is replaced: it ends on its own event)
         self._stop = threading.Event()
         self._heart = threading.Thread(
             target=_beat_while_held,

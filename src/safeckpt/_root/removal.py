@@ -141,7 +141,8 @@ class Deleter:
         self.passes = 0
 
     def start(self) -> None:
-        if self._thread is None:
+        """Start the thread, or start it again if it stopped (the root was lost, then claimed again)."""
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="safeckpt-deleter", daemon=True)
             self._thread.start()
 

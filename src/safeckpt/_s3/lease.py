@@ -66,6 +66,7 @@ class _Lease:
         self.released: str | None = None  # the ETag of our own released body, to take it back at once
         self.seen: tuple[str, float] | None = None  # a holder's ETag and when this process first saw it
         self.checked = False  # the server was found to honour conditional writes (.conditions)
+        self.writes = 0
         self.said = FailureLog(logger, f"the lock {url}")
 
 
@@ -118,8 +119,8 @@ def _free(body: dict[str, object], age: float | None, lease: float, seen_for: fl
         reused = start is not None and process_start(pid) != start if isinstance(pid, int) else False
         if isinstance(pid, int) and (not pid_alive(pid) or reused):
             return f"(pid {pid}, this machine) is gone"
-    if age is not None and age > lease + _DATE_RESOLUTION:
-        return "let it expire"
+    if age is not None:
+        return "let it expire" if age > lease + _DATE_RESOLUTION else None
     if seen_for > lease + _DATE_RESOLUTION:  # by our own clock: the server's dates told nothing
         return "let it expire (unchanged for longer than the lease)"
     return None
@@ -194,8 +195,10 @@ class LeaseLock:
         state = self._state
         pid = os.getpid()
         host, boot, namespace = machine()
+        state.writes += 1  # each write of the lease a new body, so a new ETag: a renewal is seen
         body = {
             "token": state.token,
+            "write": state.writes,
             "pid": pid,
             "pid_start": process_start(pid),
             "host": host,
@@ -209,6 +212,7 @@ class LeaseLock:
 
     def _take(self, deadline: float) -> None:
         state = self._state
+        state.seen = None  # a holder is watched afresh at each taking
         delay = 0.05
         while True:
             started = time.monotonic()
