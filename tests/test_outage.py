@@ -199,9 +199,16 @@ def test_a_servers_date_header_is_untrusted_input(s3_proxy, s3_bucket, kind: str
     assert float(safeckpt.load(url)["w"][0]) == 2.0
 
 
-def test_a_restore_cut_off_by_an_outage_is_not_taken_for_damage(s3_proxy, s3_bucket) -> None:  # type: ignore[no-untyped-def]
-    """A storage failure mid-restore is RootUnreachableError: no fallback to an older step, and
-    the newest one is not moved aside as damaged."""
+@pytest.mark.parametrize(
+    "status,code,raised",
+    [(503, "ServiceUnavailable", RootUnreachableError), (403, "AccessDenied", safeckpt.ConfigError)],
+    ids=["failing", "refused"],
+)
+def test_a_restore_cut_off_by_the_storage_is_not_taken_for_damage(  # type: ignore[no-untyped-def]
+    s3_proxy, s3_bucket, status: int, code: str, raised: type
+) -> None:
+    """A storage failure or refusal mid-restore is said as such (try again; fix the credentials):
+    no fallback to an older step, and the newest one is not moved aside as damaged."""
     url = s3_bucket.url("run")
     with CheckpointManager(url, async_save=False) as mgr:
         for step in (1, 2):
@@ -209,10 +216,8 @@ def test_a_restore_cut_off_by_an_outage_is_not_taken_for_damage(s3_proxy, s3_buc
     with CheckpointManager(url, storage_options=SHORT) as mgr:
         # Its data cannot be read (a server failing, after every retry) while the rest can: the
         # fallback rules see one checkpoint that failed to load, and must not take it for damage.
-        s3_proxy.fail_next(
-            10_000, status=503, code="ServiceUnavailable", method="GET", path_contains=".distcp"
-        )
-        with Timer() as t, pytest.raises(RootUnreachableError):
+        s3_proxy.fail_next(10_000, status=status, code=code, method="GET", path_contains=".distcp")
+        with Timer() as t, pytest.raises(raised):
             mgr.restore(state(0))
         assert t.took < BOUND, t.took
         s3_proxy.clear()

@@ -6,6 +6,7 @@ Rank 0 calls :func:`choose_checkpoint`; every rank then calls
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
 from .._dcp import safe_metadata
-from .._dist.failures import unreachable
+from .._dist.failures import storage_error, unreachable
 from .._format.catalog import Catalog, scan
 from .._format.checksums import read_verified
 from .._format.identity import Fate, fate_of
@@ -126,16 +127,26 @@ def kept_changing(directory: Loc, record: Record) -> IncompleteCheckpointError:
     )
 
 
+_REFUSED = (errno.EACCES, errno.EPERM)
+
+
 def cut_off(error: BaseException, directory: Loc, record: Record) -> CheckpointError | None:
-    """The :class:`RootUnreachableError` of a read the storage cut off (``error``, or the failure
-    inside DCP's ``CheckpointException``), else None: the storage, not the checkpoint, so it is
-    never damage that auto-resume steps over."""
+    """A read the storage cut off (no answer: :class:`RootUnreachableError`) or refused (no
+    permission, no credentials: :class:`ConfigError`), from ``error`` or the failure inside DCP's
+    ``CheckpointException``; else None. The storage, not the checkpoint: never damage that
+    auto-resume steps over, and never a reason to move a checkpoint aside."""
     if isinstance(error, CheckpointException):
-        found = dcp_io.failure_of(error, ConnectionError)
+        found = dcp_io.failure_of(error, OSError)
         error = found if found is not None else error
-    if not isinstance(error, ConnectionError) or isinstance(error, CheckpointError):
-        return error if isinstance(error, RootUnreachableError) else None
-    return unreachable(directory.parent, error, doing=f"reading step {record.step}", step=record.step)
+    if isinstance(error, RootUnreachableError):
+        return error
+    if not isinstance(error, OSError) or isinstance(error, CheckpointError):
+        return None
+    if isinstance(error, ConnectionError):
+        return unreachable(directory.parent, error, doing=f"reading step {record.step}", step=record.step)
+    if error.errno in _REFUSED:
+        return storage_error(directory.parent, error, doing=f"reading step {record.step}")
+    return None
 
 
 def as_read_error(error: BaseException, directory: Loc, record: Record) -> BaseException:

@@ -57,7 +57,7 @@ class S3Error(OSError):
     """Any other refusal, with S3's error code (``AccessDenied``, ``SlowDown``, ...)."""
 
     def __init__(self, code: str, status: int, message: str, key: str) -> None:
-        number = errno.EACCES if status == 403 else errno.EIO
+        number = errno.EACCES if status in (401, 403) else errno.EIO
         super().__init__(number, f"{code} ({status}): {message}", key)
         self.code = code
         self.status = status
@@ -481,6 +481,8 @@ def _as_os_error(error: Exception, key: str) -> Exception:
     if isinstance(error, OSError):
         return error
     # Anything else is a reply botocore could not make sense of (a bad date, a broken XML body):
-    # the server's fault, said as such, never a raw TypeError from deep inside the client.
-    return S3Error("InvalidResponse", 502, f"the server's reply could not be read ({type(error).__name__}: "
-                   f"{error})", key)
+    # the server's fault, said as such (not available, never a checkpoint's damage), never a raw
+    # TypeError from deep inside the client.
+    return Unreachable(
+        "InvalidResponse", 0, f"the server's reply could not be read ({type(error).__name__}: {error})", key
+    )

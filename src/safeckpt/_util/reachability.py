@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 OPEN_DEADLINE = 5.0
 """The deadline of a request to a service that has not answered this process yet."""
-PROBE_EVERY = 5.0
+PROBE_EVERY = 2.0
 
 
 class Admission(enum.Enum):
