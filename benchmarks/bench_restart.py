@@ -119,9 +119,9 @@ def main() -> int:
             )
         print()
         print(
-            f"Median (range) over {args.rounds} rounds, seconds from the restarted job's start (its "
-            "Python start-up and imports included); the defaults: heartbeat every 5 s, dead after 20 s "
-            "unchanged, S3 lease 20 s."
+            f"Median (range) over {args.rounds} rounds, seconds from the start of the restarted job's "
+            "main() (torch imported before it; safeckpt's import and the manager within); the "
+            "defaults: heartbeat every 5 s, dead after 20 s unchanged, S3 lease 20 s."
         )
         return 0
 

@@ -36,6 +36,7 @@ from .location import Location, Settings
 logger = logging.getLogger(__name__)
 
 DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
+_PROBE_TIMEOUT = 2.0  # a probe's connect and read timeouts, while the server is down
 
 
 class NotFound(FileNotFoundError):
@@ -140,13 +141,14 @@ class Client:
             response_checksum_validation="when_required",
         )
         self.bucket = location.bucket
+        self._settings = settings
+        self._prober: Any = None  # the client of the probes, made at the first one
         self._attempts = settings.max_attempts
         self._deadline = settings.timeout
         self.reach = Reachability()
         self.lists_uploads = True  # False once the server said it does not (501): see uploads()
-        self._s3 = boto3.session.Session(botocore_session=_botocore_session()).client(
-            "s3", config=config, **dict(settings.client)
-        )
+        self._session = boto3.session.Session(botocore_session=_botocore_session())
+        self._s3 = self._session.client("s3", config=config, **dict(settings.client))
         self.endpoint = str(self._s3.meta.endpoint_url)
 
     # --- objects ----------------------------------------------------------------------------------
@@ -370,6 +372,20 @@ class Client:
         method = getattr(self._s3, operation)
         return self._retrying(key, lambda: method(**args))
 
+    def _probe(self) -> None:
+        """One cheap request (HEAD of the bucket) with short timeouts: any reply, even a refusal,
+        shows the server answers (see safeckpt._util.reachability)."""
+        if self._prober is None:
+            from botocore.config import Config
+
+            config = Config(
+                retries={"mode": "standard", "total_max_attempts": 1},
+                connect_timeout=min(_PROBE_TIMEOUT, self._settings.connect_timeout),
+                read_timeout=min(_PROBE_TIMEOUT, self._settings.read_timeout),
+            )
+            self._prober = self._session.client("s3", config=config, **dict(self._settings.client))
+        self._prober.head_bucket(Bucket=self.bucket)
+
     def _retrying(self, key: str, attempt: Callable[[], Any]) -> Any:
         """``attempt()`` with the retries and deadline of the module doc; errors as ``OSError``."""
 
@@ -389,6 +405,7 @@ class Client:
                 attempts=self._attempts,
                 deadline=self._deadline,
                 unreachable=unreachable,
+                probe=self._probe,
             )
         except Unreachable:
             raise

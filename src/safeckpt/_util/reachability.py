@@ -12,7 +12,8 @@ makes an outage cost minutes per request, and a public call makes many. So:
   (one that gave up on a service that kept answering 5xx or throttling does
   not: that service answers, fast, and each request keeps its own deadline);
   while it is down, requests fail at once, except one *probe* every few seconds
-  that tries once; the first answer marks it up again.
+  (a cheap request with short timeouts, so a black-holed service costs a call
+  seconds, not a read timeout); the first answer marks it up again.
 
 So a public call ends within about one deadline after the service went away,
 however many requests it makes, and background threads that keep trying notice
@@ -92,6 +93,7 @@ def call_with_deadline(
     attempts: int,
     deadline: float,
     unreachable: Callable[[BaseException, float], BaseException],
+    probe: Callable[[], object] | None = None,
 ) -> T:
     """``attempt()`` until it succeeds, fails for good, or runs out of ``attempts`` or of
     ``deadline`` seconds (see the module doc). ``classify`` says what a failure was;
@@ -99,12 +101,23 @@ def call_with_deadline(
     down. A request that ran out of tries while nothing answered (SILENT) marks it down; one
     that ran out while the service kept failing (RETRY: 5xx, throttling) does not (it answers,
     and each request has its own deadline), but either raises ``unreachable``: not available
-    now, which the caller must never take for a refusal or for damage."""
+    now, which the caller must never take for a refusal or for damage.
+
+    ``probe``: a cheap request with short timeouts, made first while the service is down: an
+    answer (any) marks it up and the request goes ahead as usual; no answer fails the request at
+    once. Without one, the request itself is the probe, tried once."""
     admission = reach.admit()
     if admission is Admission.REFUSE:
         raise unreachable(ConnectionError("not tried: the service is down"), reach.down_for() or 0.0)
-    if admission is Admission.PROBE:
+    if admission is Admission.PROBE and probe is None:
         attempts = 1
+    elif admission is Admission.PROBE:
+        try:
+            probe()
+        except BaseException as e:
+            if classify(e) is Outcome.SILENT:
+                raise unreachable(e, reach.down_for() or 0.0) from e
+        reach.answered()
     if not reach.answered_once:
         deadline = min(deadline, OPEN_DEADLINE)
     ends = time.monotonic() + deadline
