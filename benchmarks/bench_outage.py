@@ -92,7 +92,8 @@ def main() -> int:
                         capture_output=True,
                         text=True,
                     )
-                    what = done.stderr.strip().split(":")[1].strip() if done.returncode else "no error"
+                    said = "cannot be reached" if "cannot be reached" in done.stderr else "another error"
+                    what = f"exit {done.returncode}, {said}" if done.returncode else "no error"
                     rows.append(
                         ("closed port", f"safeckpt ls, {load}", time.monotonic() - started, what, TARGET_OPEN)
                     )
