@@ -201,12 +201,16 @@ def test_a_paused_writer_that_was_taken_over_finds_out_at_its_next_save_and_touc
     url: str, tmp_path: Path, jobs: list[Job], short_promise: None, host: str | None
 ) -> None:
     """Paused, its pid still runs: on this machine too, only its heartbeat can tell (a process
-    that dropped its manager without closing it is the same case)."""
+    that dropped its manager without closing it is the same case). On this machine a heartbeat
+    younger than its promise proves it alive, so the new job starts once the promise has run out
+    (on another machine it waits that long itself)."""
     first = Job(url, tmp_path / "a.log", *SHORT, host=host)
     jobs.append(first)
     first.wait_for("committed 3")
     pause_outside_the_lock(first, url)  # a frozen VM: its heartbeat stops, its process does not end
     paused_at = first.committed()[-1]
+    if host is None:
+        time.sleep(3.5)  # its promise (3 s) runs out
     state = {"w": torch.zeros(64)}
     with CheckpointManager(url, async_save=False) as mgr:  # waits out its promise, then takes over
         assert mgr.restore(state).step == paused_at

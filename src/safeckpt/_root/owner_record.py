@@ -3,15 +3,15 @@
 Evidence, never a guess (see :mod:`.ownership` for the protocol built on it):
 
 * On the same machine as the owner (the same hostname, boot id and pid namespace, so
-  neither a container on the same kernel nor a rebooted host is fooled), a pid that is
-  gone (or now another process's) proves it dead at once.
-* Otherwise, by watching: the owner rewrites its record every ``beat_every`` s, so
-  a record that changes while it is watched names a live owner, and one that stays the
+  neither a container on the same kernel nor a rebooted host is fooled), at once: a pid
+  that is gone (or now another process's) is dead; a live pid whose heartbeat time, written
+  by this same machine's clock, is within its promise is alive; one whose heartbeat is
+  older (a paused process, or one that dropped its manager without closing it) is dead.
+* On another machine, by watching: the owner rewrites its record every ``beat_every`` s,
+  so a record that changes while it is watched names a live owner, and one that stays the
   same for the ``dead_after`` s its owner promised, measured on the watcher's own
-  monotonic clock, names a dead one: on another machine, or on this one when its pid
-  still runs (a paused process, or one that dropped its manager without closing it). No
-  time written by another host is compared with this host's clock, so clock skew cannot
-  make a live owner look dead.
+  monotonic clock, names a dead one. No time written by another host is compared with
+  this host's clock, so clock skew cannot make a live owner look dead.
 """
 
 from __future__ import annotations
@@ -184,6 +184,11 @@ class OwnerWatch:
                 return Look(Verdict.ALIVE if alive else Verdict.DEAD, owner)
             if not owner.process_alive():
                 return Look(Verdict.DEAD, owner)
+            # Its heartbeat's time was written by this machine's own clock: a fresh one proves it
+            # alive at once; a stale one (a paused process, a manager dropped without close())
+            # proves it has not beaten for its whole promise.
+            stale = time.time() - owner.heartbeat > owner.dead_after
+            return Look(Verdict.DEAD if stale else Verdict.ALIVE, owner)
         now = time.monotonic()
         if raw != self._seen:
             if self._seen is not None:

@@ -10,10 +10,12 @@ The protocol (also in ``docs/format.md``, "One writer per root"):
 * A claim takes the root when there is no owner record, or the owner is proven
   dead (:mod:`.owner_record`): on the same machine at once, by its pid; from
   elsewhere once its record has stayed the same for the ``dead_after`` seconds it
-  promised, on the claimant's own monotonic clock (a live pid on this machine is
-  watched the same way: a paused process, or a manager dropped without close()).
-  A record seen to change is a live owner: :class:`RootInUseError` at once. While
-  it waits, the claimant says so once, naming the owner and the time left.
+  promised, on the claimant's own monotonic clock (a live pid on this machine
+  whose heartbeat, stamped by this machine's clock, is older than that promise,
+  is dead too: a paused process, or a manager dropped without close()). A live
+  owner is :class:`RootInUseError` at once (elsewhere: once its record is seen to
+  change). While it waits, the claimant says so once, naming the owner and the
+  time left.
 * The owner's heartbeat thread rewrites the record every ``beat_every`` s while it
   is still its own.
 * A writer that was paused (SIGSTOP, a frozen VM) or cut off long enough to be
