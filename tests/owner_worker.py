@@ -43,8 +43,8 @@ def main() -> int:
         real = time.time
         time.time = lambda: real() + args.skew  # type: ignore[assignment]
 
+    from safeckpt._objstore import lease
     from safeckpt._root import owner_record
-    from safeckpt._s3 import lease
 
     if args.beat is not None:
         owner_record.BEAT_EVERY = args.beat

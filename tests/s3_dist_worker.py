@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from safeckpt import CheckpointManager, Retention
+from safeckpt._objstore import lease as s3_lease
 from safeckpt._s3 import client as s3_client
-from safeckpt._s3 import lease as s3_lease
 from safeckpt.errors import CheckpointError
 
 # A rank killed while holding an S3 root's lease makes the next start wait for it to expire: the
@@ -509,21 +509,21 @@ def tiers_mismatch(rank: int, ws: int, url: str, options: dict[str, Any], *, loc
     return {"error": None}
 
 
-_real_put = s3_client.Client.put
-_real_part = s3_client.Client.upload_part
+_real_put = s3_client.S3Client.put
+_real_part = s3_client.S3Client.upload_part
 
 
 def _fail_data_uploads() -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise s3_client.S3Error("SlowDown", 503, "injected on this rank", "x")
 
-    s3_client.Client.put = refuse  # type: ignore[method-assign]
-    s3_client.Client.upload_part = refuse  # type: ignore[method-assign]
+    s3_client.S3Client.put = refuse  # type: ignore[method-assign]
+    s3_client.S3Client.upload_part = refuse  # type: ignore[method-assign]
 
 
 def _restore_uploads() -> None:
-    s3_client.Client.put = _real_put  # type: ignore[method-assign]
-    s3_client.Client.upload_part = _real_part  # type: ignore[method-assign]
+    s3_client.S3Client.put = _real_put  # type: ignore[method-assign]
+    s3_client.S3Client.upload_part = _real_part  # type: ignore[method-assign]
 
 
 SCENARIOS = {

@@ -1,7 +1,7 @@
 """s3rver, a real S3 server that is not moto, on 127.0.0.1 (pytest plugin).
 
 It ignores ``If-None-Match`` and ``If-Match`` on PUT and answers 501 to
-``list_multipart_uploads``: a server a writer must refuse (safeckpt._s3.conditions) and a
+``list_multipart_uploads``: a server a writer must refuse (safeckpt._objstore.conditions) and a
 reader must still read. Installed from npm by ``make test`` (tests/npm, ``npm ci``).
 
 * ``s3rver``: a session-wide server, in a directory of its own;

@@ -263,7 +263,7 @@ def test_gc_reports_the_bytes_of_an_unfinished_upload_it_removes(
 ) -> None:
     # Issue 52: the parts of a multipart upload a killed save left are in no listing of objects,
     # and gc reported the staging directory it removed as "0 B".
-    from safeckpt._s3.spread import shard
+    from safeckpt._objstore.spread import shard
 
     root = s3_bucket.url("run")
     with CheckpointManager(root, async_save=False) as mgr:

@@ -1,4 +1,4 @@
-"""Servers that are not moto: conditional writes checked, not assumed (safeckpt._s3.conditions),
+"""Servers that are not moto: conditional writes checked, not assumed (safeckpt._objstore.conditions),
 and the optional calls some servers lack taking a documented, degraded path.
 
 Two servers that ignore ``If-None-Match``/``If-Match``: moto behind the fault proxy stripping

@@ -13,7 +13,7 @@ from torch import nn
 import s3_dist_worker
 import safeckpt
 from s3_ranks_launch import launch as _launch
-from safeckpt._s3.spread import shard
+from safeckpt._objstore.spread import shard
 
 pytestmark = pytest.mark.timeout(600)
 

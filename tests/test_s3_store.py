@@ -16,11 +16,11 @@ from torch import nn
 
 import safeckpt
 from other_host import needs_other_host, on_host
-from safeckpt._s3 import lease as s3_lease
-from safeckpt._s3.aliases import AREA, CLAIMS
-from safeckpt._s3.client import PreconditionFailed
-from safeckpt._s3.lease import LeaseLock
-from safeckpt._s3.spread import shard
+from safeckpt._objstore import lease as s3_lease
+from safeckpt._objstore.aliases import AREA, CLAIMS
+from safeckpt._objstore.client import PreconditionFailed
+from safeckpt._objstore.lease import LeaseLock
+from safeckpt._objstore.spread import shard
 from safeckpt._store.registry import open_store
 from safeckpt.cli import main
 from safeckpt.errors import CheckpointError, ConfigError, LockTimeoutError, RootUnreachableError
@@ -158,17 +158,18 @@ def test_a_commit_never_overwrites_a_commit_object_it_did_not_read(s3_bucket) ->
     assert store.commit_dir(".staging/a1", "step_1", displaced="unused", retired=".trash/r1") is False
     # Someone else's commit object at step_2: If-None-Match refuses to write over it.
     s3_bucket.client().put_object(Bucket=s3_bucket.name, Key="c/step_2/metadata.json", Body=b"theirs")
-    real_put_new = store.client.put_new
+    real_put = store.client.put
     conflicts = []
 
-    def put_new(key, data, *, metadata=None):  # type: ignore[no-untyped-def]
+    def put(key, data, **kwargs):  # type: ignore[no-untyped-def]
         try:
-            return real_put_new(key, data, metadata=metadata)
+            return real_put(key, data, **kwargs)
         except PreconditionFailed:
-            conflicts.append(key)
+            if kwargs.get("create_only"):
+                conflicts.append(key)
             raise
 
-    store.client.put_new = put_new  # type: ignore[method-assign]
+    store.client.put = put  # type: ignore[method-assign]
     assert store.commit_dir(".staging/a2", "step_2", displaced="unused", retired=".trash/r2") is True
     assert conflicts == ["c/step_2/metadata.json"]  # the conditional PUT saw it ...
     # ... and the replacement went through If-Match on the ETag read (a record with no area: no retiring).
@@ -394,9 +395,9 @@ def test_when_a_lease_is_free(body: dict, age: float | None, seen_for: float, fr
 _OTHER_HOLDER = """
 import sys
 from safeckpt._store.registry import open_store
-from safeckpt._s3 import lease as s3_lease
-from safeckpt._s3.lease import LeaseLock
-from safeckpt._s3.spread import shard
+from safeckpt._objstore import lease as s3_lease
+from safeckpt._objstore.lease import LeaseLock
+from safeckpt._objstore.spread import shard
 from safeckpt.errors import LockTimeoutError
 store = open_store(sys.argv[1])
 try:
@@ -410,9 +411,9 @@ except LockTimeoutError:
 _DIE_HOLDING = """
 import os, signal, sys
 from safeckpt._store.registry import open_store
-from safeckpt._s3 import lease as s3_lease
-from safeckpt._s3.lease import LeaseLock
-from safeckpt._s3.spread import shard
+from safeckpt._objstore import lease as s3_lease
+from safeckpt._objstore.lease import LeaseLock
+from safeckpt._objstore.spread import shard
 store = open_store(sys.argv[1])
 LeaseLock(store.client, store.aliases.key(".lock"), url="dying", timeout=5, lease=3).acquire()
 os.kill(os.getpid(), signal.SIGKILL)
@@ -464,26 +465,22 @@ def test_a_save_cut_short_after_its_commit_object_landed_stays_committed(
 ) -> None:  # type: ignore[no-untyped-def]
     """Ctrl-C (or any error) between the commit PUT's success and its return: the step is committed,
     so its area must not be discarded as a failed save's (which would delete its bytes)."""
-    from safeckpt._s3.client import Client
+    from safeckpt._s3.client import S3Client
 
     root = s3_bucket.url("cut")
     mgr = safeckpt.CheckpointManager(root, async_save=False)
     mgr.save(1, {"w": torch.ones(4)})
     if again:
         mgr.save(2, {"w": torch.full((4,), 2.0)})
-    real = {name: getattr(Client, name) for name in ("put_new", "put_over")}
+    real = S3Client.put
 
-    def interrupted(name: str):  # type: ignore[no-untyped-def]
-        def put(self, key, *args, **kwargs):  # type: ignore[no-untyped-def]
-            etag = real[name](self, key, *args, **kwargs)
-            if key.endswith("step_2/metadata.json"):
-                raise KeyboardInterrupt("right after the commit object landed")
-            return etag
+    def interrupted(self, key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        etag = real(self, key, *args, **kwargs)
+        if key.endswith("step_2/metadata.json"):
+            raise KeyboardInterrupt("right after the commit object landed")
+        return etag
 
-        return put
-
-    for name in real:
-        monkeypatch.setattr(Client, name, interrupted(name))
+    monkeypatch.setattr(S3Client, "put", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.save(2, {"w": torch.full((4,), 3.0)})
     monkeypatch.undo()
@@ -521,7 +518,7 @@ def test_a_holder_whose_lease_ran_out_writes_nothing_more_under_it(s3_bucket) ->
     import threading
     import time
 
-    from safeckpt._s3.client import Client
+    from safeckpt._s3.client import S3Client
     from safeckpt._s3.location import parse_url, settings
 
     url = s3_bucket.url("lost")
@@ -529,19 +526,20 @@ def test_a_holder_whose_lease_ran_out_writes_nothing_more_under_it(s3_bucket) ->
     key = store.aliases.key(".lock")
     # Another process, in effect: a client whose endpoint is spelled differently has its own lease state.
     elsewhere = s3_bucket.endpoint_url.replace("127.0.0.1", "localhost")
-    other = Client(parse_url(url), settings({"endpoint_url": elsewhere}))
+    other = S3Client(parse_url(url), settings({"endpoint_url": elsewhere}))
     stalled = threading.Event()
-    real_put_over = store.client.put_over
+    real_put = store.client.put
 
-    def stalling_renewal(*args, **kwargs):  # type: ignore[no-untyped-def]
-        stalled.set()
-        time.sleep(4)  # longer than the lease: retries and back-off on a slow server
-        return real_put_over(*args, **kwargs)
+    def stalling_renewal(put_key, data, **kwargs):  # type: ignore[no-untyped-def]
+        if put_key == key and kwargs.get("replacing"):  # this holder's renewal of its lease
+            stalled.set()
+            time.sleep(4)  # longer than the lease: retries and back-off on a slow server
+        return real_put(put_key, data, **kwargs)
 
     holder = LeaseLock(store.client, key, url="holder", timeout=5, lease=1.5)
     with holder:
         store.write_pointer("latest", "step_1")  # while the lease holds: written
-        store.client.put_over = stalling_renewal  # type: ignore[method-assign]
+        store.client.put = stalling_renewal  # type: ignore[method-assign]
         assert stalled.wait(10)
         taker = LeaseLock(other, key, url="taker", timeout=10, lease=1.5)
         taker.acquire()  # the lease ran out: taken over
@@ -551,6 +549,6 @@ def test_a_holder_whose_lease_ran_out_writes_nothing_more_under_it(s3_bucket) ->
             with pytest.raises(LockTimeoutError, match="lost the lock"):
                 store.remove("latest")
         finally:  # a failure here must not leave the taker renewing beside later tests
-            store.client.put_over = real_put_over  # type: ignore[method-assign]
+            store.client.put = real_put  # type: ignore[method-assign]
             taker.release()
     assert open_store(url).read_pointer("latest") == "step_1"

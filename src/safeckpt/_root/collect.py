@@ -59,7 +59,7 @@ REMOVED = "removed"
 WOULD_REMOVE = "would remove"
 SKIPPED = "skipped"
 
-# ``.probe-*``: the conditional-write check of a writer killed mid-check (safeckpt._s3.conditions).
+# ``.probe-*``: the conditional-write check of a writer killed mid-check (safeckpt._objstore.conditions).
 _ROOT_TEMP = (".latest.tmp.*", ".*.tmp.*", ".probe-*")
 _STEP_TEMP = (".*.tmp.*", ".metadata.tmp")
 

@@ -24,11 +24,11 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
 from .._format.checksums import crc32
+from .._objstore.client import Got, Head, NotFound, ObjectStoreError, PreconditionFailed, Unreachable
 from .._util.reachability import Outcome, Reachability, call_with_deadline
 from ..errors import ConfigError
 from .location import Location, Settings
@@ -39,63 +39,7 @@ DELETE_BATCH = 1000  # S3's most keys per DeleteObjects
 _PROBE_TIMEOUT = 2.0  # a probe's connect and read timeouts, while the server is down
 
 
-class NotFound(FileNotFoundError):
-    """No object (or no bucket) at that key."""
-
-
-class PreconditionFailed(OSError):
-    """A conditional write lost: the object exists (``If-None-Match: *``) or changed (``If-Match``)."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(errno.EEXIST, "the object exists or changed since it was read", key)
-        self.key = key
-
-    def __reduce__(self) -> tuple[object, ...]:  # errors cross ranks pickled
-        return (PreconditionFailed, (self.key,))
-
-
-class S3Error(OSError):
-    """Any other refusal, with S3's error code (``AccessDenied``, ``SlowDown``, ...)."""
-
-    def __init__(self, code: str, status: int, message: str, key: str) -> None:
-        number = errno.EACCES if status in (401, 403) else errno.EIO
-        super().__init__(number, f"{code} ({status}): {message}", key)
-        self.code = code
-        self.status = status
-        self._args = (code, status, message, key)
-
-    def __reduce__(self) -> tuple[object, ...]:  # errors cross ranks pickled
-        return (type(self), self._args)
-
-
-class Unreachable(S3Error, ConnectionError):
-    """The server is not available: nothing answered (refused, reset, timed out) or it kept
-    failing (5xx, throttling) until the deadline, or not tried while it is known to be down. A
-    ``ConnectionError``, so the core tells it from a refusal and never from damage."""
-
-    def __init__(self, code: str, status: int, message: str, key: str) -> None:
-        super().__init__(code, status, message, key)
-        self.errno = errno.EHOSTUNREACH
-        self.strerror = message  # the message says it all: no code or status of a reply to show
-
-
-@dataclass(frozen=True)
-class Head:
-    size: int
-    etag: str
-    metadata: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Got:
-    data: bytes
-    etag: str
-    size: int
-    """The whole object's size (a ranged GET returns part of it)."""
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    age: float | None = 0.0
-    """Seconds since it was written, by the server's clock (``Date`` against ``Last-Modified``);
-    None where the server's dates cannot be read."""
+S3Error = ObjectStoreError  # S3's refusals, with its error code (the generic class, by its old name)
 
 
 def crc32_header(data: bytes | memoryview) -> str:
@@ -122,8 +66,9 @@ def _botocore_session() -> Any:
     return session
 
 
-class Client:
-    """One bucket's requests (thread-safe: botocore's clients are)."""
+class S3Client:
+    """One bucket's requests, the :class:`~safeckpt._objstore.client.ObjectClient` of S3
+    (thread-safe: botocore's clients are)."""
 
     def __init__(self, location: Location, settings: Settings) -> None:
         try:
@@ -141,6 +86,7 @@ class Client:
             response_checksum_validation="when_required",
         )
         self.bucket = location.bucket
+        self.location = location
         self._settings = settings
         self._prober: Any = None  # the client of the probes, made at the first one
         self._attempts = settings.max_attempts
@@ -158,48 +104,25 @@ class Client:
         key: str,
         data: bytes,
         *,
-        if_none_match: bool = False,
-        if_match: str | None = None,
+        create_only: bool = False,
+        replacing: str | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> str:
-        """PUT ``data`` at ``key`` with its CRC32 (the server checks it); the new ETag."""
+        """PUT ``data`` at ``key`` with its CRC32 (the server checks it); the new ETag.
+        ``create_only``: ``If-None-Match: *``; ``replacing``: ``If-Match`` on that ETag."""
         args: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": key,
             "Body": data,
             "ChecksumCRC32": crc32_header(data),
         }
-        if if_none_match:
+        if create_only:
             args["IfNoneMatch"] = "*"
-        if if_match is not None:
-            args["IfMatch"] = if_match
+        if replacing is not None:
+            args["IfMatch"] = replacing
         if metadata:
             args["Metadata"] = dict(metadata)
         return str(self._call("put_object", key, **args)["ETag"])
-
-    def put_new(self, key: str, data: bytes, *, metadata: Mapping[str, str] | None = None) -> str:
-        """PUT only if nothing is at ``key`` (``If-None-Match: *``); :class:`PreconditionFailed` if
-        something else is. Our own earlier attempt, applied before a retry, counts as success."""
-        try:
-            return self.put(key, data, if_none_match=True, metadata=metadata)
-        except PreconditionFailed:
-            return self._ours_or_raise(key, data, metadata)
-
-    def put_over(self, key: str, data: bytes, etag: str, *, metadata: Mapping[str, str] | None = None) -> str:
-        """PUT only if ``key`` still has ``etag`` (``If-Match``), with the same retry rule."""
-        try:
-            return self.put(key, data, if_match=etag, metadata=metadata)
-        except PreconditionFailed:
-            return self._ours_or_raise(key, data, metadata)
-
-    def _ours_or_raise(self, key: str, data: bytes, metadata: Mapping[str, str] | None) -> str:
-        try:
-            there = self.get(key)
-        except NotFound:
-            raise PreconditionFailed(key) from None
-        if there.data == data and dict(there.metadata) == dict(metadata or {}):
-            return there.etag
-        raise PreconditionFailed(key)
 
     def get(self, key: str, *, start: int | None = None, length: int | None = None) -> Got:
         """The object at ``key``, or ``length`` bytes of it from ``start``."""
@@ -209,6 +132,7 @@ class Client:
                 return Got(b"", "", self.head(key).size)
             end = "" if length is None else str(start + length - 1)
             args["Range"] = f"bytes={start}-{end}"
+
         def attempt() -> tuple[dict[str, Any], bytes]:
             reply = self._s3.get_object(**args)
             body = reply["Body"]
@@ -227,12 +151,9 @@ class Client:
         reply = self._call("head_object", key, Bucket=self.bucket, Key=key)
         return Head(int(reply["ContentLength"]), str(reply["ETag"]), reply.get("Metadata") or {})
 
-    def delete(self, key: str, *, if_match: str | None = None) -> None:
-        """DELETE ``key`` (only if it still has ``if_match``, where the server supports that)."""
-        args: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
-        if if_match is not None:
-            args["IfMatch"] = if_match
-        self._call("delete_object", key, **args)
+    def delete(self, key: str) -> None:
+        """DELETE ``key`` (S3 answers a missing key with success too)."""
+        self._call("delete_object", key, Bucket=self.bucket, Key=key)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` in batches of 1,000; a key the server failed to delete raises."""
@@ -365,6 +286,11 @@ class Client:
             if not page.get("IsTruncated"):
                 return size
             args["PartNumberMarker"] = page.get("NextPartNumberMarker", 0)
+
+    def explain(self, error: OSError) -> tuple[str, str]:
+        from .errors import explain_error
+
+        return explain_error(self.location, error)
 
     # --- plumbing ---------------------------------------------------------------------------------
 

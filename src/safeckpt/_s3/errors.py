@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from .client import NotFound, PreconditionFailed, S3Error
+from .._objstore.client import NotFound, ObjectStoreError, PreconditionFailed
 from .location import Location
 
 
@@ -32,14 +32,14 @@ def explain_error(location: Location, error: OSError) -> tuple[str, str]:
             "that they may read, write and delete under the prefix; pass read_only=True for a job "
             "that only restores"
         )
-    if isinstance(error, ConnectionError) or (isinstance(error, S3Error) and error.status == 0):
+    if isinstance(error, ConnectionError) or (isinstance(error, ObjectStoreError) and error.status == 0):
         return f"the server is not available ({error.strerror})", (
             "check AWS_ENDPOINT_URL (or storage_options['endpoint_url']) and the network; each "
             "request was retried for up to storage_options['timeout'] seconds, and while the server "
             "stays down the next ones fail at once"
         )
     if code in ("SlowDown", "ServiceUnavailable", "InternalError") or (
-        isinstance(error, S3Error) and error.status >= 500
+        isinstance(error, ObjectStoreError) and error.status >= 500
     ):
         return f"the server kept failing ({code or error.strerror}) after every retry", (
             "wait and save again; raise storage_options['max_attempts'] for a server that is often busy"

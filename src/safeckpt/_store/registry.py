@@ -36,11 +36,38 @@ URL_SCHEMES = frozenset(
 )  # fmt: skip
 
 _factories: dict[str, Callable[..., Store]] = {}
+ENTRY_POINTS = "safeckpt.stores"
+"""The entry-point group of stores installed by other packages: ``scheme = module:factory``."""
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 
 def register(scheme: str, factory: Callable[..., Store]) -> None:
-    """Serve ``scheme`` (``"file"`` for local paths) with ``factory(root, ops=...)``."""
+    """Serve ``scheme`` (``"file"`` for local paths) with ``factory(root, ops=..., options=...)``;
+    a scheme registered again is served by the new factory (stores already opened stay)."""
+    if not isinstance(scheme, str) or not _SCHEME.match(scheme):
+        raise ConfigError(f"{scheme!r} is not a URL scheme: lowercase letters, digits, '+', '.', '-'.")
+    if not callable(factory):
+        raise ConfigError(f"the store factory of {scheme}:// must be callable, got {type(factory).__name__}.")
     _factories[scheme] = factory
+
+
+def _installed(scheme: str) -> Callable[..., Store] | None:
+    """The factory another package installed for ``scheme`` (the ``safeckpt.stores`` entry-point
+    group), loaded the first time a root of that scheme is opened; None where there is none."""
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group=ENTRY_POINTS) if e.name == scheme]
+    if not found:
+        return None
+    try:
+        factory = found[0].load()
+    except Exception as e:  # a broken plugin is a configuration problem, said so
+        raise ConfigError(
+            f"the store of {scheme}:// installed by {found[0].value} could not be loaded "
+            f"({type(e).__name__}: {e}); reinstall or remove that package."
+        ) from e
+    register(scheme, factory)
+    return factory
 
 
 def scheme_of(root: str | os.PathLike[str]) -> str:
@@ -135,7 +162,7 @@ def open_store(
     if is_store(root):
         return root  # type: ignore[return-value]
     scheme, target = _parse(root)  # type: ignore[arg-type]
-    factory = _factories.get(scheme)
+    factory = _factories.get(scheme) or _installed(scheme)
     if factory is None:
         raise ConfigError(
             f"{root}: safeckpt has no storage for {scheme}:// roots ({_serves()}); pass a local "

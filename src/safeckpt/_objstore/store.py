@@ -1,20 +1,21 @@
-"""A checkpoint root under an ``s3://bucket/prefix`` URL: the :class:`~safeckpt._store.Store` on S3.
+"""A checkpoint root under a URL of an object store (``s3://bucket/prefix``, ...): the
+:class:`~safeckpt._store.Store` built on an :class:`~.client.ObjectClient`, once for every service.
 
 What each operation of the seam becomes (see :mod:`safeckpt._store.base` for
 the contract, and :mod:`.aliases` for how directories live without rename):
 
-* ``commit_dir``: the area's claim, then the record as the commit object,
-  ``If-None-Match: *`` (``If-Match`` on the old record's ETag when it replaces
-  one, whose area then moves to ``retired``). No instant without a complete
-  checkpoint at ``final``: the one PUT is the commit.
+* ``commit_dir``: the area's claim, then the record as the commit object, a
+  create-only PUT (replacing the old record's token when it replaces one, whose
+  area then moves to ``retired``). No instant without a complete checkpoint at
+  ``final``: the one PUT is the commit.
 * ``move`` of a directory: the claim moved, the old marker deleted, the marker
   written at the new name; of a file: copied, then deleted.
-* ``write_atomic``/``write_new``: one PUT (S3 replaces an object whole); a
+* ``write_atomic``/``write_new``: one PUT (an object is replaced whole); a
   record of a committed checkpoint keeps its area in the rewritten marker.
-* ``write_pointer``: ``latest``, with ``If-Match`` on the ETag this store last
-  read or wrote, so a second writer's move is an error, never silently undone.
-* ``remove``: the area's objects in batches of 1,000 (and any unfinished
-  multipart upload under it), only when no other alias holds the area.
+* ``write_pointer``: ``latest``, replacing only the token this store last read
+  or wrote, so a second writer's move is an error, never silently undone.
+* ``remove``: the area's objects (in the batches the service allows, and any
+  unfinished upload under it), only when no other alias holds the area.
 * ``lock``: a lease renewed with conditional writes (:mod:`.lease`).
 * ``sync``, ``make_dir``: nothing to do; an object is durable once its PUT
   returns, and prefixes need no making.
@@ -26,38 +27,50 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .._format.layout import DAMAGED_NAME, LATEST_NAME, LOCK_NAME, RECORD_NAME, STAGING_NAME, TRASH_NAME
 from .._store.base import DIR, FILE, Entry, join, leaf
 from ..errors import IncompleteCheckpointError
 from .aliases import AREA, CLAIMS, DIR_MARK, Alias, Aliases
-from .client import Client, NotFound, PreconditionFailed
-from .errors import explain_error
+from .client import NotFound, ObjectClient, PreconditionFailed, put_new, put_over
 from .lease import LeaseLock, check_held
-from .location import Location, Settings, parse_url, settings
 from .spread import Spread
 from .transfer import RangeReader, UploadStream
 
 _POINTER_LIMIT = 4096
 
 
-class S3Store:
-    """A root under an ``s3://`` URL (see the module docstring)."""
+@dataclass(frozen=True)
+class Transfer:
+    """How bytes move: parts of ``part_size`` (uploads and ranged GETs), ``max_concurrency`` at once
+    per file."""
 
-    def __init__(self, root: str, ops: Any = None, options: Mapping[str, Any] | None = None) -> None:
-        del ops  # FileOps is the local store's fault seam; S3's faults come from the server
-        self.location: Location = parse_url(str(root))
-        self.settings: Settings = settings(options)
-        self.url = self.location.url
+    part_size: int
+    max_concurrency: int
+
+
+class ObjectRootStore:
+    """A checkpoint root under a URL of an object store (see the module docstring): everything but
+    the requests, which ``client`` makes.
+
+    ``url``: the root as a person names it (``s3://bucket/prefix``); ``prefix``: its key prefix
+    (``""`` or ending in ``/``).
+    """
+
+    def __init__(self, client: ObjectClient, url: str, prefix: str, transfer: Transfer) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.settings = transfer
         self.small_reads_at_once = 8  # each a round trip: a scan's records are read side by side
-        self.client = Client(self.location, self.settings)
-        self.aliases = Aliases(self.client, self.location.prefix)
-        self._pointers: dict[str, str | None] = {}  # ETag of each pointer as last read or written
+        self.client = client
+        self.aliases = Aliases(self.client, prefix)
+        self._pointers: dict[str, str | None] = {}  # token of each pointer as last read or written
         self._guard = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"S3Store({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
 
     def where(self, name: str = "") -> str:
         _check(name)
@@ -105,9 +118,11 @@ class S3Store:
         except NotFound:
             pass
         base, alias = self.aliases.dir_key(name)
-        if alias is not None or self._holds_anything(base):
+        if alias is not None:
             return Entry(leaf(name), DIR)
-        return None
+        if self._holds_anything(base) and self.aliases.owner(name) is None:
+            return Entry(leaf(name), DIR)
+        return None  # nothing, or the area of a name it was moved or committed to: gone from here
 
     def _holds_anything(self, base: str) -> bool:
         """An object, or an unfinished upload (a save cut short leaves one), under ``base``."""
@@ -152,7 +167,7 @@ class S3Store:
             raise PreconditionFailed(self.where(src))
         # A plain directory (the area of a save) becomes an alias at dst, its bytes where they are.
         self.aliases.claim(src, dst)
-        self.client.put_new(self.aliases.key(join(dst, DIR_MARK)), b"", metadata={AREA: src})
+        put_new(self.client, self.aliases.key(join(dst, DIR_MARK)), b"", metadata={AREA: src})
         self.aliases.learn(dst, Alias(src, DIR_MARK, 0))
 
     def _move_alias(self, src: str, dst: str, alias: Alias) -> None:
@@ -160,10 +175,10 @@ class S3Store:
         area: cut short in between, the area belongs to no name and is collected as a leftover."""
         marker = self.aliases.key(join(src, alias.marker))
         got = self.client.get(marker)
-        self.aliases.claim(alias.area, dst)
+        self.aliases.claim(alias.area, dst, moving_from=src)  # src keeps it until its marker goes
         self.client.delete(marker)  # the instant src leaves every listing
         self.aliases.forget(src)
-        self.client.put_new(self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
+        put_new(self.client, self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
         self.aliases.learn(dst, alias)
 
     def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
@@ -179,17 +194,17 @@ class S3Store:
         self.aliases.claim(staged, final)
         existed, replaced = False, None
         try:
-            self.client.put_new(commit_key, record.data, metadata=metadata)
+            put_new(self.client, commit_key, record.data, metadata=metadata)
         except PreconditionFailed:
             existed, replaced = True, self.aliases.find(final)
-            etag = self.client.head(commit_key).etag
-            self.client.put_over(commit_key, record.data, etag, metadata=metadata)
+            etag = self.client.head(commit_key).token
+            put_over(self.client, commit_key, record.data, etag, metadata=metadata)
         self.aliases.learn(final, Alias(staged, RECORD_NAME, len(record.data)))
         if replaced is not None:
             # The old bytes go to the trash; cut short here, they show as a leftover and are collected.
             self.aliases.claim(replaced.area, retired)
-            self.client.put_new(
-                self.aliases.key(join(retired, DIR_MARK)), b"", metadata={AREA: replaced.area}
+            put_new(
+                self.client, self.aliases.key(join(retired, DIR_MARK)), b"", metadata={AREA: replaced.area}
             )
         return existed
 
@@ -309,7 +324,7 @@ class S3Store:
         except NotFound:
             self._pointers[name] = None
             return None
-        self._pointers[name] = got.etag
+        self._pointers[name] = got.token
         if got.size > _POINTER_LIMIT:
             return None
         try:
@@ -327,9 +342,9 @@ class S3Store:
             key, data = self.aliases.key(name), target.encode()
             try:
                 if etag is None:
-                    self._pointers[name] = self.client.put_new(key, data)
+                    self._pointers[name] = put_new(self.client, key, data)
                 else:
-                    self._pointers[name] = self.client.put_over(key, data, etag)
+                    self._pointers[name] = put_over(self.client, key, data, etag)
             except (PreconditionFailed, NotFound):  # changed, or removed (If-Match on no object)
                 self._pointers.pop(name, None)  # read again before the next move
                 raise
@@ -353,11 +368,11 @@ class S3Store:
         dcp_own: bool,
         metadata: Callable[[], Any],
     ) -> Any:
-        from .dcp import S3DcpReader
+        from .dcp import ObjectDcpReader
 
         del direct_io, dcp_own  # one reader: ranged GETs, every item checked
         base, _ = self.aliases.dir_key(directory, fresh=False)
-        return S3DcpReader(
+        return ObjectDcpReader(
             self, base.rstrip("/"), checksums=checksums, step=step, metadata=metadata, directory=directory
         )
 
@@ -377,7 +392,11 @@ class S3Store:
         return None  # a bucket has no free space to tell
 
     def explain_error(self, error: OSError) -> tuple[str, str]:
-        return explain_error(self.location, error)
+        if isinstance(error, PreconditionFailed):
+            return "another process changed the root at the same time (a conditional write lost)", (
+                "make sure one training job writes to this root, then save again"
+            )
+        return self.client.explain(error)
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)

@@ -1,11 +1,12 @@
-"""DCP's storage for a checkpoint directory on S3: the same files as on disk, every byte checked.
+"""DCP's storage for a checkpoint directory on an object store: the same files as on disk, every
+byte checked.
 
 Writing: DCP's writers (safeckpt's raw one, or DCP's own with ``dcp_io="torch"``)
-on a :class:`S3FileSystem`, whose streams are multipart uploads, each part
+on a :class:`ObjectFileSystem`, whose streams are multipart uploads, each part
 sent with its CRC32; the raw writer checksums every item as it goes out, as on
 disk. ``.metadata`` is written whole by DCP's ``finish``.
 
-Reading: :class:`S3DcpReader` fetches each file's wanted ranges with
+Reading: :class:`ObjectDcpReader` fetches each file's wanted ranges with
 parallel ranged GETs, checks every CRC32 segment it covers against the record's
 checksums before a byte reaches the state, and hands the items to DCP's planner
 as DCP's own reader does.
@@ -38,7 +39,7 @@ from .transfer import RangeReader, pool
 _GAP = 1 << 20  # ranges closer than this are read as one GET
 
 
-class S3FileSystem(FileSystemBase):
+class ObjectFileSystem(FileSystemBase):
     """DCP's file operations on one bucket; DCP's paths are object keys."""
 
     def __init__(self, store: Any) -> None:
@@ -97,7 +98,7 @@ class _RawWriter(RawFileSystemWriter):
     def __init__(self, store: Any, base: str) -> None:
         # sync_files off: an object is durable once its upload completes (no fsync, no os.sync()).
         super().__init__(base, direct_io=False, sync_files=False, single_file_per_rank=True, thread_count=1)
-        self.fs = S3FileSystem(store)
+        self.fs = ObjectFileSystem(store)
         self.path = base
 
     def _data_stream(self, path: Any) -> Any:
@@ -107,7 +108,7 @@ class _RawWriter(RawFileSystemWriter):
 class _TorchWriter(FileSystemWriter):
     def __init__(self, store: Any, base: str) -> None:
         super().__init__(base, sync_files=False, single_file_per_rank=True, thread_count=1)
-        self.fs = S3FileSystem(store)
+        self.fs = ObjectFileSystem(store)
         self.path = base
 
 
@@ -116,7 +117,7 @@ def writer(store: Any, base: str, *, dcp_own: bool) -> Any:
     return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base)
 
 
-class S3DcpReader(FileSystemReader):
+class ObjectDcpReader(FileSystemReader):
     """Every item checked against ``checksums`` (None: not checked); ``.metadata`` from ``metadata()``."""
 
     def __init__(
@@ -130,7 +131,7 @@ class S3DcpReader(FileSystemReader):
         directory: str | None = None,
     ) -> None:
         super().__init__(base)
-        self.fs = S3FileSystem(store)
+        self.fs = ObjectFileSystem(store)
         self.path = base
         self._store = store
         self._checksums = checksums
@@ -254,7 +255,7 @@ class _Download:
 
     def _get(self, offset: int, length: int) -> bytes:
         got = self._client.get(self._key, start=offset, length=length)
-        self._etags.add(got.etag)
+        self._etags.add(got.token)
         if len(self._etags) > 1:
             raise NotFound(2, "the object was replaced while it was read", self._key)
         if len(got.data) != length:

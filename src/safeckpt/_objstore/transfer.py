@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .client import Client, Got, NotFound, S3Error
+from .client import Got, NotFound, ObjectClient, ObjectStoreError
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -38,7 +38,7 @@ class UploadStream(io.RawIOBase):
 
     def __init__(
         self,
-        client: Client,
+        client: ObjectClient,
         key: str,
         *,
         part_size: int,
@@ -134,7 +134,7 @@ class RangeReader:
     request; the ETag of each reply is compared instead).
     """
 
-    def __init__(self, client: Client, key: str, *, part_size: int, concurrency: int) -> None:
+    def __init__(self, client: ObjectClient, key: str, *, part_size: int, concurrency: int) -> None:
         self._client = client
         self._key = key
         self._part_size = part_size
@@ -142,13 +142,13 @@ class RangeReader:
         # The first part comes with the size: one GET instead of a HEAD and a GET for most files.
         try:
             first = client.get(key, start=0, length=part_size)
-        except S3Error as e:
+        except ObjectStoreError as e:
             if e.status != 416:  # an empty object has no byte 0 to start a range at
                 raise
             head = client.head(key)
-            first = Got(b"", head.etag, head.size)
+            first = Got(b"", head.token, head.size)
         self.size = first.size
-        self.etag = first.etag
+        self.token = first.token
         self._first = first.data
 
     def read(self, offset: int, length: int) -> bytes:
@@ -167,7 +167,7 @@ class RangeReader:
         if offset + length <= len(self._first):
             return self._first[offset : offset + length]
         got = self._client.get(self._key, start=offset, length=length)
-        if got.etag != self.etag:
+        if got.token != self.token:
             raise NotFound(2, "the object was replaced while it was read", self._key)
         return got.data
 

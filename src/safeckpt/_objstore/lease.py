@@ -1,18 +1,18 @@
-"""The root's lock on S3: a lease object taken and renewed with conditional writes.
+"""The root's lock on an object store: a lease object taken and renewed with conditional writes.
 
-Taking it is ``PUT .lock`` with ``If-None-Match: *`` (or ``If-Match`` on the
-ETag of a released lease); a holder renews it with ``If-Match`` on its own ETag
-every third of the lease, so a process that dies holding it frees the root
-within one lease, never forever. Releasing it is a conditional PUT of a
-*released* body (a conditional DELETE is not implemented by every S3-compatible
-server, and a plain DELETE could remove another holder's lease). A lease is
-free when it is released, when its holder ran on this machine and its process
-is gone, or when it has expired: by the server's clock (the object's
-``Last-Modified`` against the ``Date`` of the reply; no client clock is
+Taking it is a create-only PUT of ``.lock`` (or one replacing the token, an
+ETag or generation, of a released lease); a holder renews it by replacing its
+own token every third of the lease, so a process that dies holding it frees
+the root within one lease, never forever. Releasing it is a conditional PUT of
+a *released* body (a conditional DELETE is not implemented by every
+S3-compatible server, and a plain DELETE could remove another holder's lease).
+A lease is free when it is released, when its holder ran on this machine and
+its process is gone, or when it has expired: by the server's clock (the
+object's time against the reply's, both the server's; no client clock is
 compared), or, where the server's dates cannot be read, by the taker's own
-monotonic clock (the same ETag seen for longer than the lease). It is taken with
-``If-Match`` on the ETag read, so two processes that both find it free cannot
-both win. A holder that could
+monotonic clock (the same token seen for longer than the lease). It is taken by
+replacing the token read, so two processes that both find it free cannot both
+win. A holder that could
 not renew in time has lost the lock: from the moment its lease may have run
 out (by its own clock, with a margin), every write its store makes under the
 lock raises :class:`LockTimeoutError` instead (:func:`check_held`), until a
@@ -38,7 +38,7 @@ from types import TracebackType
 from .._util.failure_log import FailureLog
 from .._util.processes import machine, pid_alive, process_start
 from ..errors import LockTimeoutError
-from .client import Client, NotFound, PreconditionFailed
+from .client import NotFound, ObjectClient, PreconditionFailed, put_new, put_over
 from .conditions import check_conditional_writes
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ LEASE_SECONDS = 20.0
 class _Lease:
     """The state of one root's lease in this process, shared by every handle on it."""
 
-    def __init__(self, client: Client, key: str, url: str, lease: float) -> None:
+    def __init__(self, client: ObjectClient, key: str, url: str, lease: float) -> None:
         self.client = client
         self.key = key
         self.url = url
@@ -57,13 +57,13 @@ class _Lease:
         self.thread_lock = threading.Lock()
         self.owner: int | None = None
         self.depth = 0
-        self.etag: str | None = None
+        self.version: str | None = None  # our lease object's token (ETag, generation) as last written
         self.token = uuid.uuid4().hex
         self.renewer: threading.Thread | None = None
         self.stop = threading.Event()
         self.valid_until = 0.0  # monotonic: the lease may run out after this (the last PUT's start + lease)
         self.lost = False  # taken over by another process while held
-        self.released: str | None = None  # the ETag of our own released body, to take it back at once
+        self.released: str | None = None  # the token of our own released body, to take it back at once
         self.seen: tuple[str, float] | None = None  # a holder's ETag and when this process first saw it
         self.checked = False  # the server was found to honour conditional writes (.conditions)
         self.writes = 0
@@ -80,7 +80,7 @@ _leases_guard = threading.Lock()
 _DATE_RESOLUTION = 1.0
 
 
-def check_held(client: Client, key: str) -> None:
+def check_held(client: ObjectClient, key: str) -> None:
     """Before a write under the lease of ``key``: raise :class:`LockTimeoutError` if this thread
     holds it but it may have run out (renewals failed for too long) or was taken over. A thread
     that does not hold it is not checked (reads, and writes that need no lock)."""
@@ -99,7 +99,7 @@ def check_held(client: Client, key: str) -> None:
         )
 
 
-def _shared(client: Client, key: str, url: str, lease: float) -> _Lease:
+def _shared(client: ObjectClient, key: str, url: str, lease: float) -> _Lease:
     where = (client.endpoint, client.bucket, key)
     with _leases_guard:
         found = _leases.get(where)
@@ -127,10 +127,10 @@ def _free(body: dict[str, object], age: float | None, lease: float, seen_for: fl
 
 
 class LeaseLock:
-    """The lock of one S3 root (see the module docstring); a reentrant context manager."""
+    """The lock of one root on an object store (see the module docstring); a reentrant context manager."""
 
     def __init__(
-        self, client: Client, key: str, *, url: str, timeout: float, lease: float | None = None
+        self, client: ObjectClient, key: str, *, url: str, timeout: float, lease: float | None = None
     ) -> None:
         # LEASE_SECONDS read at each call: a test's dying process shortens the wait of its successor
         self._state = _shared(client, key, url, LEASE_SECONDS if lease is None else lease)
@@ -177,14 +177,14 @@ class LeaseLock:
             state.renewer.join()
             state.renewer = None
         try:
-            if state.etag is not None and not state.lost:  # never another holder's lease
-                state.released = state.client.put_over(state.key, self._body(released=True), state.etag)
+            if state.version is not None and not state.lost:  # never another holder's lease
+                state.released = put_over(state.client, state.key, self._body(released=True), state.version)
         except OSError as e:  # it expires by itself within one lease
             logger.warning(
                 "safeckpt: could not release the lock %s (%s); it expires in %g s", self.path, e, state.lease
             )
         finally:
-            state.etag = None
+            state.version = None
             state.owner = None
             state.thread_lock.release()
 
@@ -218,9 +218,9 @@ class LeaseLock:
             started = time.monotonic()
             try:
                 if state.released is not None:  # ours, released: take it back in one request
-                    state.etag = state.client.put_over(state.key, self._body(), state.released)
+                    state.version = put_over(state.client, state.key, self._body(), state.released)
                 else:
-                    state.etag = state.client.put_new(state.key, self._body())
+                    state.version = put_new(state.client, state.key, self._body())
                 state.valid_until, state.lost = started + state.lease, False
                 return
             except (PreconditionFailed, NotFound):
@@ -244,12 +244,12 @@ class LeaseLock:
             lease = float(body.get("lease", state.lease))
         except (ValueError, AttributeError, TypeError):
             body, lease = {}, state.lease
-        why = _free(body, got.age, lease, self._seen_for(got.etag))
+        why = _free(body, got.age, lease, self._seen_for(got.token))
         if why is None:
             return False
         started = time.monotonic()
         try:
-            state.etag = state.client.put_over(state.key, self._body(), got.etag)
+            state.version = put_over(state.client, state.key, self._body(), got.token)
         except (PreconditionFailed, NotFound):
             return False  # someone else took it first, or it was removed: the next PUT takes it
         state.valid_until, state.lost, state.seen = started + state.lease, False, None
@@ -269,8 +269,8 @@ class LeaseLock:
         while not state.stop.wait(state.lease / 3):
             started = time.monotonic()
             try:
-                assert state.etag is not None
-                state.etag = state.client.put_over(state.key, self._body(), state.etag)
+                assert state.version is not None
+                state.version = put_over(state.client, state.key, self._body(), state.version)
                 state.valid_until = started + state.lease
             except (PreconditionFailed, NotFound):
                 state.lost = True

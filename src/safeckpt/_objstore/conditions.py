@@ -1,7 +1,8 @@
 """Whether a server honours the conditional writes a writer relies on: checked, not assumed.
 
-The commit object, ``latest`` and the lease rest on ``If-None-Match: *`` (create only)
-and ``If-Match`` (replace only if unchanged). Some S3-compatible servers ignore them
+The commit object, ``latest`` and the lease rest on create-only writes (S3's
+``If-None-Match: *``) and replace-if-unchanged ones (``If-Match``, a GCS generation
+match). Some S3-compatible servers ignore them
 and overwrite (older or degraded MinIO, s3rver, a Ceph gateway with the check
 inverted), or refuse them as not implemented (Backblaze B2). On such a server two
 writers could both hold the lease and a stale ``latest`` could undo a newer one,
@@ -23,7 +24,7 @@ import threading
 import uuid
 
 from ..errors import ConfigError
-from .client import Client, NotFound, PreconditionFailed, S3Error
+from .client import NotFound, ObjectClient, ObjectStoreError, PreconditionFailed
 
 PROBE_PREFIX = ".probe-"
 
@@ -31,7 +32,7 @@ _checked: set[tuple[str, str, str]] = set()  # (endpoint, bucket, prefix) found 
 _guard = threading.Lock()
 
 
-def check_conditional_writes(client: Client, prefix: str, url: str) -> None:
+def check_conditional_writes(client: ObjectClient, prefix: str, url: str) -> None:
     """Raise :class:`ConfigError` unless the server refuses both conflicting conditional writes
     (and accepts the matching one). Once per process and root; ``OSError`` if it cannot be asked."""
     where = (client.endpoint, client.bucket, prefix)
@@ -52,31 +53,31 @@ def check_conditional_writes(client: Client, prefix: str, url: str) -> None:
         _checked.add(where)
 
 
-def _probe(client: Client, key: str) -> str | None:
+def _probe(client: ObjectClient, key: str) -> str | None:
     """What the server got wrong (a phrase), or None."""
     try:
         etag = client.put(key, b"first")
         try:
-            client.put(key, b"second", if_none_match=True)
+            client.put(key, b"second", create_only=True)
             return "ignores If-None-Match: * (a create-only PUT over an existing object succeeded)"
         except PreconditionFailed:
             pass
-        except S3Error as e:
+        except ObjectStoreError as e:
             if e.status in (400, 501):
                 return f"does not implement If-None-Match on PUT ({e.code}, {e.status})"
             raise
         wrong = '"' + "0" * 32 + '"'
         try:
-            client.put(key, b"third", if_match=wrong)
+            client.put(key, b"third", replacing=wrong)
             return "ignores If-Match (a PUT on a wrong ETag succeeded)"
         except PreconditionFailed:
             pass
-        except S3Error as e:
+        except ObjectStoreError as e:
             if e.status in (400, 501):
                 return f"does not implement If-Match on PUT ({e.code}, {e.status})"
             raise
         try:
-            client.put(key, b"fourth", if_match=etag)
+            client.put(key, b"fourth", replacing=etag)
         except PreconditionFailed:
             return "refuses If-Match on the object's own ETag (its check is inverted)"
         return None

@@ -1,7 +1,7 @@
-"""Directories on S3 without rename: a directory that was committed or moved is an *alias* of the
-*area* (the key prefix) its bytes were written under.
+"""Directories on an object store without rename: a directory that was committed or moved is an
+*alias* of the *area* (the key prefix) its bytes were written under.
 
-S3 has no rename, and copying a checkpoint's bytes to commit or prune it would
+An object store has no rename, and copying a checkpoint's bytes to commit or prune it would
 cost as much as writing them again. So a save's bytes stay where they were
 written (its staging directory, the area), and the name it is committed or
 moved to holds one small *marker* object naming that area in its metadata:
@@ -12,12 +12,15 @@ moved to holds one small *marker* object naming that area in its metadata:
 
 Each area that an alias took is *claimed* (``.claims/<area, quoted>`` names the
 alias) before the alias is written, so a listing of the area's parent hides
-it once committed. A claim counts only while the alias it names still points
-at the area: an area whose save was cut before the commit, whose commit was
-replaced, or whose move was cut between the old marker's deletion and the new
-one's write belongs to no name; it is shown again, and collected. No two names
-share an area (a move deletes the old marker first); one written by hand
-beside the claim's owner is removed without the bytes the owner holds.
+it once committed. A move's claim names the alias it moves from too, on a
+second line: cut after the claim, before the old marker is deleted, the area
+still belongs to the old name, which still points at it. A claim counts only
+while a name it names still points at the area: an area whose save was cut
+before the commit, whose commit was replaced, or whose move was cut between the
+old marker's deletion and the new one's write belongs to no name; it is shown
+again, and collected. No two names share an area (a move deletes the old marker
+before it writes the new one); one written by hand beside the claim's owner is
+removed without the bytes the owner holds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from urllib.parse import quote, unquote
 
 from .._format.layout import RECORD_NAME
 from .._store.base import join
-from .client import Client, NotFound
+from .client import NotFound, ObjectClient
 from .spread import Spread
 
 AREA = "safeckpt-area"  # the marker's user metadata (x-amz-meta-safeckpt-area): the area's name
@@ -50,7 +53,7 @@ class Alias:
 class Aliases:
     """Finding, making and retiring aliases of one root (``key`` maps a name to its object key)."""
 
-    def __init__(self, client: Client, prefix: str) -> None:
+    def __init__(self, client: ObjectClient, prefix: str) -> None:
         self._client = client
         self._prefix = prefix
         self.spread = Spread(prefix)
@@ -131,17 +134,22 @@ class Aliases:
     def _claim_key(self, area: str) -> str:
         return self.key(join(CLAIMS, quote(area, safe="")))
 
-    def claim(self, area: str, alias: str) -> None:
-        self._client.put(self._claim_key(area), alias.encode())
+    def claim(self, area: str, alias: str, *, moving_from: str | None = None) -> None:
+        """``alias`` takes ``area`` (``moving_from``: the alias that holds it until the move ends)."""
+        names = alias if moving_from is None else f"{alias}\n{moving_from}"
+        self._client.put(self._claim_key(area), names.encode())
 
     def owner(self, area: str) -> str | None:
-        """The alias that holds ``area`` now: its claim's, if that alias still points at it."""
+        """The alias that holds ``area`` now: a name its claim names that still points at it."""
         try:
             named = self._client.get(self._claim_key(area)).data.decode()
         except NotFound:
             return None
-        alias = self.find(named)
-        return named if alias is not None and alias.area == area else None
+        for name in named.split("\n"):
+            alias = self.find(name) if name else None
+            if alias is not None and alias.area == area:
+                return name
+        return None
 
     def unclaim(self, area: str) -> None:
         with contextlib.suppress(NotFound):
