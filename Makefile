@@ -80,6 +80,7 @@ demo-s3: $(VENV)/.installed-demo-s3
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
@@ -92,6 +93,7 @@ test-slow: setup system-deps
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PIP) install -q -c constraints/ci.txt -e '.[test,bench]'

@@ -29,7 +29,9 @@ What each operation must guarantee, for the invariants of the design:
 * ``dcp_writer``/``dcp_reader``: DCP's storage for one checkpoint directory.
   The writer checksums every byte it writes (``.checksums``) and makes each
   file durable; the reader checks every item it reads against ``checksums``
-  before its bytes reach the state (10).
+  before its bytes reach the state, and takes DCP's ``.metadata`` from
+  ``metadata()`` (the caller's verified, restricted read), never from the file
+  itself (9, 10).
 
 Readers take no lock: a record or pointer is replaced atomically, so a reader
 sees a whole one; anything else it reads may be replaced or removed under it,
@@ -76,19 +78,24 @@ def leaf(name: str) -> str:
     return posixpath.basename(name)
 
 
-class ItemInfos(list):  # type: ignore[type-arg]
+class ItemInfos(list[Any]):
     """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
     order, as that plan's ``storage_data``: set by a planner that looked them up already."""
 
 
 class ReadHandle(Protocol):
-    """An open regular file: its size when opened, and reads of any range of it."""
+    """An open regular file: its size when opened, and reads of any range of it (a context manager
+    that closes it)."""
 
     size: int
 
     def read(self, offset: int, length: int) -> bytes: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> ReadHandle: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
 
 
 class WriteHandle(Protocol):
@@ -183,7 +190,11 @@ class Store(Protocol):
         step: int | None,
         direct_io: bool,
         dcp_own: bool,
-    ) -> Any: ...
+        metadata: Callable[[], Any],
+    ) -> Any:
+        """DCP's reader of ``directory``; its ``.metadata`` is ``metadata()``, read by the caller
+        (checked against the record, through the restricted unpickler), never by the reader."""
+        ...
 
     def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]: ...
 
