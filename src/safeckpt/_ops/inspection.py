@@ -251,7 +251,7 @@ def _describe_tensors(value: Any, header: dict[str, Any]) -> Any:
 
 
 def inspect_checkpoint(
-    root: str | os.PathLike[str], target: int | str | os.PathLike[str] | None = None
+    root: Loc | str | os.PathLike[str], target: int | str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
     """Everything about one checkpoint of ``root`` as JSON data (schema in docs/cli.md).
 
