@@ -276,11 +276,15 @@ class Committer:
     def _checksums_here(self, gathered: list[tuple[Any, dict[str, Any], Any]]) -> dict[str, Any]:
         """Each file of this root by name, with its writer's checksums where known: the files of the
         ranks that share this root (every rank's, on one shared root)."""
+        # A rank names every file of the save, with checksums for those it wrote: on a root that
+        # some ranks share, only those are its.
+        every_file = len(self._sharing) == self._ranks.world_size
         checksums: dict[str, Any] = {}
         for rank, (_, theirs, _) in enumerate(gathered):
-            if rank not in self._sharing:
-                continue
-            checksums.update((n, c) for n, c in theirs.items() if c is not None or n not in checksums)
+            if rank in self._sharing:
+                checksums.update(
+                    (n, c) for n, c in theirs.items() if c is not None or (every_file and n not in checksums)
+                )
         return checksums
 
     def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
