@@ -144,7 +144,7 @@ def _never_uploaded(step: int) -> None:
     """The uploads of ``step`` never run: the process dies first."""
     import threading
 
-    from safeckpt._manager import uploads
+    from safeckpt._tiers import uploads
 
     real = uploads.Uploader._upload
 
@@ -180,7 +180,8 @@ def tiers_die_at(
     goes up: node 1's leader halfway through its part (``during_upload``), or rank 0 with the whole
     record written into the area, before the commit (``durable_commit``). The other rank's call
     then fails, and it exits too."""
-    from safeckpt._manager import committer, durable
+    from safeckpt._manager import committer
+    from safeckpt._tiers import durable
 
     result: dict[str, Any] = {}
 
@@ -339,8 +340,8 @@ def tiers_resave_while_uploading(
     import threading
 
     from safeckpt._format.record import amend_record
-    from safeckpt._manager import uploads
     from safeckpt._manager.saves import Committed
+    from safeckpt._tiers import uploads
 
     resaving, tried = threading.Event(), threading.Event()
 
@@ -478,7 +479,7 @@ def tiers_slow_upload(rank: int, ws: int, url: str, options: dict[str, Any], *, 
     wait(durable=True), then in close()."""
     import time
 
-    from safeckpt._manager import durable
+    from safeckpt._tiers import durable
 
     real = durable.copy_checkpoint
 

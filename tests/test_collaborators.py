@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +132,7 @@ def test_a_record_amended_on_another_thread_never_stands_in_for_a_newer_commit_o
     the newer commit (else local retention would take it for uploaded, and prune it unuploaded)."""
     import dataclasses
 
+    from safeckpt._format.tier_fields import Upload
     from safeckpt._manager.saves import Committed
 
     save_steps(root, 5)
@@ -140,10 +142,56 @@ def test_a_record_amended_on_another_thread_never_stands_in_for_a_newer_commit_o
     assert first is not None
     again = Committed(first.path, dataclasses.replace(first.record, seq=(first.record.seq or 0) + 1))
     view.commit(again)
-    view.update(Committed(first.path, dataclasses.replace(first.record, uploaded={"at": 1.0, "to": "x"})))
+    view.update(Committed(first.path, dataclasses.replace(first.record, uploaded=Upload(at=1.0, to="x"))))
     now = view.get(5)
     assert now is not None and now.record.seq == again.record.seq and now.record.uploaded is None
     view.update(Committed(again.path, dataclasses.replace(again.record, pinned=True)))  # its own amendment
     now = view.get(5)
     assert now is not None and now.record.pinned
     session.release()
+
+
+def test_the_core_calls_the_tier_protocol_in_its_documented_order(root: Path, tmp_path: Path) -> None:
+    """The seam of _manager.tiering, seen from a real manager: its hooks in the order its docstring
+    gives (a spy on the no-op tiers stands in for the second tier)."""
+    from safeckpt._manager import tiering
+
+    calls: list[str] = []
+
+    class Spy(tiering.OneTier):
+        def start(self, core: tiering.Core) -> None:
+            calls.append("start")
+
+        def before_write(self, step: int) -> None:
+            calls.append(f"before_write {step}")
+
+        def commit(self, job: SaveJob, record: Any) -> tiering.TierCommit:
+            calls.append(f"commit {job.step}")
+            return super().commit(job, record)
+
+        def settled(self, job: SaveJob, *, everywhere: bool) -> None:
+            calls.append(f"settled {job.step} everywhere={everywhere}")
+
+        def protected(self) -> frozenset[int]:
+            calls.append("protected")
+            return frozenset()
+
+        def wait(self, *, closing: bool) -> tiering.Waited:
+            calls.append(f"wait closing={closing}")
+            return super().wait(closing=closing)
+
+    def spied(options: tiering.TierOptions) -> tiering.TierSetup:
+        return tiering.TierSetup(options.root, options.retention, frozenset({0}), Spy())
+
+    real = tiering._second_tier
+    tiering.register_second_tier(spied)
+    try:
+        with CheckpointManager(root, local_dir=tmp_path / "fast", async_save=False) as mgr:
+            assert calls == ["start"]  # once, as the manager is made
+            mgr.save(1, {"w": torch.ones(2)})
+            mgr.wait()
+            assert calls[1:] == ["before_write 1", "commit 1", "settled 1 everywhere=True", "protected"]
+            mgr.wait(durable=True)
+    finally:
+        tiering.register_second_tier(real)  # type: ignore[arg-type]
+    assert calls[5:] == ["wait closing=False", "wait closing=True"]

@@ -9,6 +9,7 @@ import pytest
 
 from safeckpt._format import lineage
 from safeckpt._format.record import Record
+from safeckpt._format.tier_fields import Lineage, Upload
 
 ROOT, ID, MINE, THEIRS = "s3://b/run", "r00t", "tier-mine", "tier-theirs"
 
@@ -25,7 +26,7 @@ def local(seq: int, after: int | None, *, time: float = 0.0, step: int | None = 
 
 
 def durable(seq: int, *, tier: str | None, local_seq: int | None = None, time: float = 0.0) -> Record:
-    uploaded = None if tier is None else {"from": "x", "tier": tier, "seq": local_seq}
+    uploaded = None if tier is None else Upload(source="x", tier=tier, seq=local_seq)
     return Record(
         step=seq, time=time, files={}, seq=seq, checksums={"f": f"durable-{seq}"}, uploaded=uploaded
     )
@@ -80,20 +81,20 @@ def test_moved_on_by_sequences(record: Record, root: list[Record], behind: int |
 
 def test_a_root_holding_the_same_checkpoint_never_moved_on_past_it() -> None:
     record = local(3, after=0)
-    same = Record(step=3, time=0.0, files={}, seq=9, checksums=record.checksums, uploaded={"tier": THEIRS})
+    same = Record(step=3, time=0.0, files={}, seq=9, checksums=record.checksums, uploaded=Upload(tier=THEIRS))
     assert lineage.moved_on(record, [durable(8, tier=None), same]) is None
 
 
 @pytest.mark.parametrize(
     ("stamp", "uploaded", "root", "root_id", "belongs"),
     [
-        ({"root": ROOT, "root_id": ID}, None, ROOT, ID, True),
-        ({"root": ROOT, "root_id": ID}, None, "s3://b/other", "other", False),
-        ({"root": ROOT, "root_id": ID}, None, ROOT, "made-again", False),
-        ({"root": "/mnt/a/run", "root_id": ID}, None, "/shared/a/run", ID, True),  # the id decides
-        ({"root": ROOT, "root_id": None}, None, ROOT, ID, True),  # no id then: the location decides
-        (None, {"to": ROOT + "/step_3"}, ROOT, ID, True),  # before local commits named their root
-        (None, {"to": "s3://b/other/step_3"}, ROOT, ID, False),
+        (Lineage(root=ROOT, root_id=ID), None, ROOT, ID, True),
+        (Lineage(root=ROOT, root_id=ID), None, "s3://b/other", "other", False),
+        (Lineage(root=ROOT, root_id=ID), None, ROOT, "made-again", False),
+        (Lineage(root="/mnt/a/run", root_id=ID), None, "/shared/a/run", ID, True),  # the id decides
+        (Lineage(root=ROOT, root_id=None), None, ROOT, ID, True),  # no id then: the location decides
+        (None, Upload(to=ROOT + "/step_3"), ROOT, ID, True),  # before local commits named their root
+        (None, Upload(to="s3://b/other/step_3"), ROOT, ID, False),
         (None, None, ROOT, ID, True),
     ],
 )

@@ -11,9 +11,10 @@ import pytest
 from safeckpt._format.checksums import FileChecksum
 from safeckpt._format.layout import Layout
 from safeckpt._format.record import Record
-from safeckpt._manager import node_parts
-from safeckpt._manager.nodes import Nodes, _grouped
+from safeckpt._format.tier_fields import Part
 from safeckpt._store.loc import as_root
+from safeckpt._tiers import node_parts
+from safeckpt._tiers.nodes import Nodes, _grouped
 from safeckpt.errors import ConfigError, IncompleteCheckpointError
 
 
@@ -36,7 +37,7 @@ def _part(node: int, files: dict[str, int]) -> Record:
         files=files,
         checksums={n: FileChecksum.whole(b"x" * size).to_json() for n, size in files.items()},
         seq=1,
-        part={"id": "step_3.0123456789ab", "node": node, "nodes": 2},
+        part=Part(save="step_3.0123456789ab", node=node, nodes=2),
     )
 
 
@@ -128,8 +129,8 @@ def test_at_start_the_newest_held_copy_of_a_whole_save_goes_back_and_the_rest_go
     import threading
 
     from safeckpt._format.record import read_record, write_record
-    from safeckpt._manager.node_commits import held_copies, settle_held
     from safeckpt._manager.saves import Committed, SaveView
+    from safeckpt._tiers.node_commits import held_copies, settle_held
 
     lock = threading.RLock()
     store = layout.store
@@ -141,7 +142,7 @@ def test_at_start_the_newest_held_copy_of_a_whole_save_goes_back_and_the_rest_go
             files={},
             checksums={},
             seq=seq,
-            part={"id": part_id, "node": 0, "nodes": 2},
+            part=Part(save=part_id, node=0, nodes=2),
         )
         store.make_dir(where.key)
         write_record(where, record, lock)  # type: ignore[arg-type]
@@ -169,3 +170,35 @@ def test_at_start_the_newest_held_copy_of_a_whole_save_goes_back_and_the_rest_go
     held, other = held_copies(layout)
     assert settle_held(layout, lock, view, held, whole, other) == []  # type: ignore[arg-type]
     assert read_record(layout.step_dir(2)).seq == 2 and not layout.staging_entries()  # type: ignore[union-attr]
+
+
+def test_a_held_copy_is_known_by_its_record_under_any_name_and_start_up_keeps_only_it(
+    layout: Layout,
+) -> None:
+    # A part of save A, moved aside from step_2 (any name), is held; a save's own staging (its part
+    # named after it), a whole checkpoint's and an unreadable entry are not: start-up collects them.
+    import threading
+
+    from safeckpt._format.record import write_record
+    from safeckpt._root.startup import take_root
+    from safeckpt._tiers.node_commits import is_held
+
+    lock = threading.RLock()
+    store = layout.store
+
+    def staged(token: str, step: int, part: Part | None) -> Any:
+        where = layout.staging_dir(step, token)
+        store.make_dir(where.key)
+        write_record(where, Record(step=step, time=1.0, files={}, checksums={}, seq=1, part=part), lock)  # type: ignore[arg-type]
+        return where
+
+    held = staged("a1b2c3d4e5f6", 2, Part(save="step_2.111111000001", node=0, nodes=2))
+    own = layout.staging_dir(3, "0123456789ab")
+    staged("0123456789ab", 3, Part(save=own.name, node=0, nodes=2))
+    whole = staged("fedcba987654", 4, None)
+    broken = layout.staging_dir(5, "00000aaaaaaa")
+    store.make_dir(broken.key)
+    store.write_atomic((broken / "metadata.json").key, b"{not json")
+    assert is_held(held) and not any(is_held(e) for e in (own, whole, broken))
+    take_root(layout, lock, keep=lambda name: is_held(layout.staging / name))  # type: ignore[arg-type]
+    assert [e.name for e in layout.staging_entries()] == [held.name]

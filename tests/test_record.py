@@ -30,6 +30,7 @@ from safeckpt._format.record import (
     read_record,
     write_record,
 )
+from safeckpt._format.tier_fields import Lineage, Part, Upload
 from safeckpt._fs.lock import SidecarLock
 from safeckpt._ops.maintenance import verify
 from safeckpt.cli import main
@@ -86,7 +87,7 @@ CHECKSUMS = {"__0_0.distcp": {"crc32": [[0, 6, 1], [6, 4, 2]]}, "part.bin": {"cr
         pytest.param(a_record(time=-3.0e7), id="before-1970"),
         pytest.param(a_record(time=1.0e17), id="beyond-gmtime"),
         pytest.param(
-            a_record(local={"root": "s3://b/run", "root_id": "ab", "tier": "cd", "after": 3}), id="local"
+            a_record(local=Lineage(root="s3://b/run", root_id="ab", tier="cd", after=3)), id="local"
         ),
     ],
 )
@@ -94,6 +95,58 @@ def test_record_round_trip(ckpt: Path, lock: SidecarLock, record: Record) -> Non
     write_record(loc(ckpt, FaultyFileOps()), record, lock)
     assert read_record(ckpt) == record
     assert Record.from_json(json.loads(encode(record))) == record
+
+
+# The tier fields as each version wrote them (docs/tiers.md): read typed, written back as they were.
+EARLIER_TIER_FIELDS = [
+    pytest.param({"uploaded": {"at": 1.5, "from": "/l/step_3"}}, id="durable-first-version"),
+    pytest.param(
+        {"uploaded": {"at": 1.5, "from": "/l/step_3", "id": "step_3.abcdef000001"}}, id="durable-parts"
+    ),
+    pytest.param(
+        {"uploaded": {"at": 1.5, "from": "/l/step_3", "tier": None, "seq": None}}, id="durable-tier-unknown"
+    ),
+    pytest.param(
+        {"uploaded": {"at": 1.5, "from": "/l/step_3", "tier": "t", "seq": 4, "id": "step_3.abcdef000001"}},
+        id="durable",
+    ),
+    pytest.param({"uploaded": {"at": 1.5, "to": "s3://b/r/step_3"}}, id="local-mark"),
+    pytest.param({"part": {"id": "step_3.abcdef000001", "node": 1, "nodes": 2}}, id="part"),
+    pytest.param({"local": {"root": "s3://b/r", "root_id": None, "tier": "t", "after": None}}, id="lineage"),
+    pytest.param({"uploaded": {"at": 1.5, "to": "x", "seq": "7", "later": [1]}}, id="unknown-and-mistyped"),
+]
+
+
+@pytest.mark.parametrize("fields", EARLIER_TIER_FIELDS)
+def test_tier_fields_of_earlier_records_load_and_are_written_back_as_they_were(
+    ckpt: Path, lock: SidecarLock, fields: dict[str, Any]
+) -> None:
+    (ckpt / RECORD_NAME).write_text(json.dumps({**a_record().to_json(), **fields}))
+    record = read_record(ckpt)
+    assert record is not None
+    for key, raw in fields.items():
+        assert json.dumps(record.to_json()[key]) == json.dumps(raw)  # the same keys, order and nulls
+    amend_record(loc(ckpt, FaultyFileOps()), lock, pinned=True)  # what a pin or an upload's mark does
+    on_disk = json.loads((ckpt / RECORD_NAME).read_text())
+    assert on_disk["pinned"] and all(json.dumps(on_disk[k]) == json.dumps(v) for k, v in fields.items())
+
+
+def test_tier_fields_are_typed() -> None:
+    data = {
+        **a_record().to_json(),
+        "uploaded": {"at": 2, "from": "/l/step_3", "tier": "t", "seq": 4, "id": "step_3.abcdef000001"},
+        "part": {"id": "step_3.abcdef000001", "node": 1, "nodes": 2},
+        "local": {"root": "s3://b/r", "root_id": "r00t", "tier": "t", "after": 3},
+    }
+    record = Record.from_json(data)
+    assert record.uploaded == Upload(at=2.0, source="/l/step_3", tier="t", seq=4, save="step_3.abcdef000001")
+    assert record.part == Part(save="step_3.abcdef000001", node=1, nodes=2)
+    assert record.part_id == "step_3.abcdef000001"
+    assert record.local == Lineage(root="s3://b/r", root_id="r00t", tier="t", after=3)
+    # A value of the wrong type is no value (never a crash, never a checkpoint made unloadable).
+    odd = Record.from_json({**data, "uploaded": {"at": "soon", "seq": True}, "part": {"node": "1"}})
+    assert odd.uploaded is not None and odd.uploaded.at is None and odd.uploaded.seq is None
+    assert odd.part is not None and odd.part.node is None and odd.part_id is not None  # a part all the same
 
 
 def test_the_record_on_disk_is_readable_json(ckpt: Path, lock: SidecarLock) -> None:

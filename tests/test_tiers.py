@@ -74,8 +74,8 @@ def test_each_save_commits_locally_then_is_uploaded_and_committed_in_the_root(
     for step in (4, 5):
         # the same bytes in both tiers; each record says where the other copy is
         assert there[step].checksums == here[step].checksums and there[step].files == here[step].files
-        assert there[step].uploaded["from"] == str(local / f"step_{step}")
-        assert here[step].uploaded["to"].endswith(f"step_{step}")
+        assert there[step].uploaded.source == str(local / f"step_{step}")
+        assert here[step].uploaded.to.endswith(f"step_{step}")
     assert [there[s].seq for s in (3, 4, 5)] == sorted(there[s].seq for s in (3, 4, 5))  # commit order
     # The durable tier alone is a whole root: a job without local_dir resumes from it.
     restored = _state(0)
@@ -346,7 +346,7 @@ def test_a_copy_saved_again_while_it_is_uploaded_is_dropped_not_retried(
     import errno
     import threading
 
-    from safeckpt._manager import durable as durable_module
+    from safeckpt._tiers import durable as durable_module
 
     uploading, resaved = threading.Event(), threading.Event()
     copy = durable_module.copy_checkpoint
@@ -406,7 +406,7 @@ def test_a_pin_that_comes_while_its_step_goes_up_reaches_the_durable_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The upload read the local record before the pin; its mark afterwards pins the durable copy.
-    from safeckpt._manager import durable as durable_module
+    from safeckpt._tiers import durable as durable_module
 
     root, local = tmp_path / "durable", tmp_path / "local"
     copy = durable_module.copy_checkpoint
@@ -434,7 +434,7 @@ def test_a_pin_the_durable_root_refuses_pins_the_local_copy_and_says_what_failed
 ) -> None:
     import errno
 
-    from safeckpt._manager import durable as durable_module
+    from safeckpt._tiers import durable as durable_module
     from safeckpt.errors import CheckpointError
 
     root, local = tmp_path / "durable", tmp_path / "local"
@@ -536,7 +536,7 @@ def test_steps_whose_local_copies_are_removed_while_their_upload_waits_are_named
 ) -> None:
     import threading
 
-    from safeckpt._manager import durable as durable_module
+    from safeckpt._tiers import durable as durable_module
 
     uploading, removed = threading.Event(), threading.Event()
     copy = durable_module.copy_checkpoint

@@ -28,7 +28,7 @@ JOB = r"""
 import os, signal, sys
 import torch
 from safeckpt import CheckpointManager, Retention
-from safeckpt._manager import uploads
+from safeckpt._tiers import uploads
 
 real_upload = uploads.Uploader._upload
 

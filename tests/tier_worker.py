@@ -27,9 +27,10 @@ import torch
 
 from safeckpt import CheckpointManager, Retention
 from safeckpt._format.checksums import parse_checksums
-from safeckpt._manager import committer, durable, uploads
+from safeckpt._manager import committer
 from safeckpt._objstore import lease as s3_lease
 from safeckpt._root.copy import copy_file
+from safeckpt._tiers import durable, uploads
 
 # A kill while holding an S3 root's lease makes the next start wait for it to expire: the lease
 # this process writes (and its successor honours) is short, so a kill costs seconds, not 30.

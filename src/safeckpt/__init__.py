@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _posix, _s3  # noqa: F401  (register the stores: local paths, s3:// URLs)
+# register the stores (local paths, s3:// URLs) and the second tier (local_dir=)
+from . import _posix, _s3, _tiers  # noqa: F401
 from ._version import __version__
 from .errors import (
     CheckpointError,

@@ -175,6 +175,10 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+# What a DCP call raises: any Exception, or DCP's CheckpointException (a BaseException, which
+# ``except Exception`` misses).
+DCP_ERRORS = (Exception, CheckpointException)
+
 
 class _WholeRead(NamedTuple):
     """An item of :func:`_whole_tensor_plan`: the fields of DCP's ``ReadItem``, in its order, made as

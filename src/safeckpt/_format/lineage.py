@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from .._store.base import Lock
 from .._store.loc import Loc
 from .record import Record, same_checkpoint
+from .tier_fields import Lineage
 
 ROOT_ID_NAME = ".root-id"
 
@@ -59,17 +59,17 @@ def ensure_root_id(root: Loc, lock: Lock) -> str:
         return made
 
 
-def stamp(root: str, root_id: str | None, tier: str | None, after: int | None) -> dict[str, Any]:
+def stamp(root: str, root_id: str | None, tier: str | None, after: int | None) -> Lineage:
     """What a local commit records of its durable root (see the module's docstring)."""
-    return {"root": root, "root_id": root_id, "tier": tier, "after": after}
+    return Lineage.stamped(root, root_id, tier, after)
 
 
 def root_of(record: Record) -> str | None:
     """The durable root a local commit was saved for, as it says (for messages)."""
     if record.local is not None:
-        return str(record.local.get("root"))
-    to = (record.uploaded or {}).get("to")
-    return None if to is None else str(to).rpartition("/")[0]
+        return str(record.local.root)
+    to = record.uploaded.to if record.uploaded is not None else None
+    return None if to is None else to.rpartition("/")[0]
 
 
 def belongs(record: Record, root: str, root_id: str | None) -> bool:
@@ -79,22 +79,20 @@ def belongs(record: Record, root: str, root_id: str | None) -> bool:
     uploaded to, or, not uploaded, to any (as it did then)."""
     local = record.local
     if local is None:
-        to = (record.uploaded or {}).get("to")
-        return to is None or str(to).startswith(root.rstrip("/") + "/")
-    theirs = local.get("root_id")
-    if theirs and root_id:
-        return bool(theirs == root_id)
-    return str(local.get("root")) == root
+        to = record.uploaded.to if record.uploaded is not None else None
+        return to is None or to.startswith(root.rstrip("/") + "/")
+    if local.root_id and root_id:
+        return local.root_id == root_id
+    return str(local.root) == root
 
 
 def uploaded_from(durable: Record, tier: str | None) -> int | None:
     """The local ``seq`` of the commit of local directory ``tier`` that ``durable`` is the upload
     of; None when it is not one (a save made in the root directly, or another node's upload)."""
-    up: Mapping[str, Any] = durable.uploaded or {}
-    seq = up.get("seq")
-    if tier is None or up.get("tier") != tier or isinstance(seq, bool) or not isinstance(seq, int):
+    up = durable.uploaded
+    if tier is None or up is None or up.tier != tier:
         return None
-    return seq
+    return up.seq
 
 
 def moved_on(record: Record, durable: Iterable[Record]) -> Record | None:
@@ -108,13 +106,11 @@ def moved_on(record: Record, durable: Iterable[Record]) -> Record | None:
     if local is None:  # recorded before local commits named their root: only the clocks are left
         newest = commits[-1] if commits else None
         return newest if newest is not None and newest.time > record.time else None
-    after = local.get("after")
-    after = after if isinstance(after, int) and not isinstance(after, bool) else 0
-    tier = local.get("tier")
+    after = local.after or 0
     for r in commits:
         if (r.seq or 0) <= after:
             continue
-        mine = uploaded_from(r, tier if isinstance(tier, str) else None)
+        mine = uploaded_from(r, local.tier)
         if mine is None or record.seq is None or mine >= record.seq:
             return r  # made elsewhere, or from a later commit of this directory
     return None
@@ -126,8 +122,8 @@ def newer_local(local: Record, durable: Record) -> bool:
     root holds; an uploaded one stands where its durable copy was committed."""
     if local.uploaded is None:
         return True
-    seq = local.uploaded.get("seq")
-    if isinstance(seq, int) and not isinstance(seq, bool):
+    seq = local.uploaded.seq
+    if seq is not None:
         return seq >= (durable.seq or 0)
     # Marked by a safeckpt that did not note where its durable copy stands: the same commit, or
     # else the root's (its copy there was pruned, or the root went on).

@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .._store.base import FILE, Lock
 from .._store.loc import Loc, as_loc
@@ -25,6 +25,7 @@ from .._version import __version__
 from ..errors import IncompleteCheckpointError, InvalidSaveError, NewerFormatError, UnsafeCheckpointError
 from . import kept
 from .layout import RECORD_NAME
+from .tier_fields import Lineage, Part, Upload
 
 FORMAT_VERSION = 2
 _FLAT_NAME = re.compile(r"[^/\\\x00]+")
@@ -56,22 +57,21 @@ class Record:
     before format 2, whose bytes cannot be verified."""
     seq: int | None = None
     """The commit sequence: commits are ordered by it, never by step or mtime (None before format 2)."""
-    uploaded: Mapping[str, Any] | None = None
-    """With two tiers (``local_dir=``): on the durable copy, when it was uploaded (``at``) and from
-    where (``from``); on the local copy, once its upload committed, when and ``to`` where."""
-    part: Mapping[str, Any] | None = None
-    """With a local tier on each node's own disk: this node's part of the save (``id``, the same on
-    every node; ``node``; ``nodes``). Its ``files`` are those this node's ranks wrote; the
-    checkpoint is whole in the local tier when every node holds its part of one ``id``."""
-    local: Mapping[str, Any] | None = None
-    """With two tiers, on a local commit: the durable root it was saved for (``root``, ``root_id``),
-    the local directory's identity (``tier``) and the root's newest commit when it was saved
-    (``after``, its ``seq``); see :mod:`safeckpt._format.lineage`. None on the durable copy."""
+    uploaded: Upload | None = None
+    """With two tiers (``local_dir=``): on the durable copy, when it was uploaded and from where; on
+    the local copy, once its upload committed, when and to where (see :mod:`.tier_fields`)."""
+    part: Part | None = None
+    """With a local tier on each node's own disk: this node's part of a save; its ``files`` are
+    those this node's ranks wrote."""
+    local: Lineage | None = None
+    """With two tiers, on a local commit: the durable root it follows (see :mod:`.lineage`). None
+    on the durable copy."""
 
     @property
     def part_id(self) -> str | None:
-        """The save this part belongs to (see ``part``), or None for a whole checkpoint."""
-        return None if self.part is None else str(self.part.get("id"))
+        """The save this part belongs to (see ``part``), or None for a whole checkpoint (a part that
+        names none is a part all the same: never taken for a whole checkpoint)."""
+        return None if self.part is None else str(self.part.save)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,9 +91,9 @@ class Record:
             "library_version": self.library_version,
             "torch_version": self.torch_version,
             "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
-            **({} if self.uploaded is None else {"uploaded": dict(self.uploaded)}),
-            **({} if self.part is None else {"part": dict(self.part)}),
-            **({} if self.local is None else {"local": dict(self.local)}),
+            **({} if self.uploaded is None else {"uploaded": self.uploaded.to_json()}),
+            **({} if self.part is None else {"part": self.part.to_json()}),
+            **({} if self.local is None else {"local": self.local.to_json()}),
         }
 
     @classmethod
@@ -147,9 +147,9 @@ class Record:
                 format_version=_int(data.get("format_version", 1)),
                 checksums=checksums,
                 seq=None if seq is None else _int(seq),
-                uploaded=_optional_dict(data.get("uploaded")),
-                part=_optional_dict(data.get("part")),
-                local=_optional_dict(data.get("local")),
+                uploaded=_optional(Upload, data.get("uploaded")),
+                part=_optional(Part, data.get("part")),
+                local=_optional(Lineage, data.get("local")),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(
@@ -263,6 +263,14 @@ def _optional_dict(value: Any) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise TypeError(f"expected a JSON object or null, got {value!r}")
     return value
+
+
+_Field = TypeVar("_Field", Part, Upload, Lineage)
+
+
+def _optional(kind: type[_Field], value: Any) -> _Field | None:
+    found = _optional_dict(value)
+    return None if found is None else kind.from_json(found)
 
 
 def _int(value: Any) -> int:

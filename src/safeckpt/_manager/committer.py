@@ -12,22 +12,26 @@ Runs on the writer thread (inline in sync mode). The protocol (``docs/format.md`
 
 A failure before the rename leaves nothing committed and is raised on every
 rank at the next call; a failure after it is only logged.
+
+"Rank 0" above is, exactly, the lowest of the ranks that share this rank's root
+(``sharing``; every rank, on one shared root). With tiers beside the root
+(:mod:`.tiering`: ``local_dir=``), the committer calls their hooks at steps 1, 3
+and 4, and retention keeps what they protect; it knows nothing else of them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dcp import io as dcp_io
+from .._dcp.io import DCP_ERRORS
 from .._dcp.options import IOOptions
 from .._dcp.options import using as using_io
 from .._dcp.plans import SavePlans
@@ -37,9 +41,9 @@ from .._dist.participants import portable as _portable
 from .._format.checksums import FileChecksum, checksum_file
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
 from .._format.record import Record, list_files, read_record, write_record
-from .._policy.retention import Policy, Retention, explain, retention_json, with_pinned
+from .._policy.retention import Policy, Retention, retention_json
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
-from .._root.removal import Deleter, collect_abandoned_staging, discard_checkpoint
+from .._root.removal import Deleter, collect_abandoned_staging
 from .._state.replicas import diverging, fingerprints
 from .._state.walk import nest_for_dcp, train_state_filename
 from .._store.base import FILE, Lock
@@ -49,20 +53,17 @@ from .._version import __version__
 from ..errors import (
     CheckpointError,
     ConfigError,
-    IncompleteCheckpointError,
     RankAgreementError,
     SaveFailedError,
 )
 from .background import COMMITTED, FAILED, StagingPool
-from .node_commits import NodeCommits
-from .nodes import Nodes
 from .outcomes import Outcomes
+from .pruner import Pruner
 from .saves import Committed, SaveJob, SaveView
 from .session import RootSession
+from .tiering import OneTier, Tiers
 
 logger = logging.getLogger("safeckpt.manager")
-
-_WRITE_ERRORS = (Exception, CheckpointException)
 
 
 class Committer:
@@ -70,7 +71,7 @@ class Committer:
 
     Call rules: ``persist`` runs on the writer thread (inline for a sync save),
     one job at a time, on every rank in the same order (it is collective over
-    the writer group). ``prune``, ``close_registration`` and ``prune_held_back``
+    the writer group). ``prune``, ``close_registration`` and ``prune_deferred``
     are rank 0's and run while no job is being persisted (from the writer
     thread, or from ``pin``/``close()`` after the writer is idle).
     """
@@ -80,7 +81,7 @@ class Committer:
         root: Path,
         retention: Retention | Policy,
         *,
-        parts: Participants,
+        ranks: Participants,
         plans: SavePlans,
         layout: Layout,
         view: SaveView,
@@ -90,21 +91,14 @@ class Committer:
         registration: RegistrationWorker | None,
         registration_timeout: float,
         io: IOOptions,
-        on_commit: Callable[[Committed], None] | None = None,
-        holds: Callable[[], frozenset[int]] | None = None,
-        make_room: Callable[[int], None] | None = None,
-        nodes: Nodes | None = None,
-        stamp: Callable[[], Mapping[str, Any]] | None = None,
+        tiers: Tiers | None = None,
+        sharing: frozenset[int] | None = None,
     ) -> None:
-        """``on_commit``: told about each commit (rank 0, after it); ``holds``: steps that pruning
-        keeps for now (local commits not uploaded yet); ``make_room``: called with the step before
-        a save writes (rank 0), to free space for it. ``nodes``: with a local tier on each node's
-        disk, each node's leader commits its node's part there (and is "rank 0" above for it).
-        ``stamp``: what each record says of the durable root of a local tier (``Record.local``)."""
+        """``tiers``: the hooks of the tiers beside this root (none: :class:`~.tiering.OneTier`);
+        ``sharing``: the ranks whose files this rank's root holds (None: every rank)."""
         self.root = root
         self.retention = retention
-        self.policy = with_pinned(retention)
-        self._parts = parts
+        self._ranks = ranks
         self._plans = plans
         self._layout = layout
         self._store = layout.store
@@ -115,19 +109,23 @@ class Committer:
         self._registration = registration
         self.registration_timeout = registration_timeout
         self._io = io
-        self._on_commit = on_commit
-        self._make_room = make_room
-        self._holds = holds
-        self._stamp = stamp
-        self._nodes = nodes if nodes is not None else Nodes.one(parts.world_size)
-        # This rank commits, prunes and cleans up in this root: rank 0, or its node's leader.
-        self._commits_here = parts.is_leader or self._nodes.leads(parts.rank)
-        self._held_back: set[int] = set()  # steps retention drops, kept for now (see prune)
+        self._tiers: Tiers = tiers if tiers is not None else OneTier()
+        self._sharing = sharing if sharing is not None else frozenset(range(ranks.world_size))
+        # This rank commits, prunes and cleans up in this root: the lowest of the ranks sharing it.
+        self._commits_here = ranks.rank == min(self._sharing)
         self._warned_diverging: set[str] = set()  # keys warned about (_state.replicas), once each
         self._failures = FailureLog(logger, f"the writer of {root}")
-        self._held_for_registration: set[int] = set()  # steps retention drops, kept while they register
-        self._warned_narrower: set[int] = set()  # steps warned about as an earlier run's retention kept
-        self._node_commits = NodeCommits(layout, view, session, on_commit)
+        # retention keeps off what registers, and what the tiers protect
+        self._pruner = Pruner(
+            root,
+            retention,
+            layout=layout,
+            view=view,
+            session=session,
+            registering=self._pending_registrations,
+            protected=self._tiers.protected,
+        )
+        self.policy = self._pruner.policy
 
     @property
     def _lock(self) -> Lock | None:
@@ -191,20 +189,17 @@ class Committer:
         self._view.finish(job, FAILED, _as_checkpoint_error(error, job.step))
 
     def _write_and_commit(self, job: SaveJob) -> None:
-        parts = self._parts
+        ranks = self._ranks
         refused: BaseException | None = None
         if self._commits_here and not job.cancel_requested:
             try:  # still the root's writer, before this save writes anything (save() did not ask)
                 self._session.ensure_writer(f"saving step {job.step}")
             except Exception as e:
                 refused = e
-            if refused is None and self._make_room is not None:
-                try:
-                    self._make_room(job.step)
-                except Exception as e:  # making room only helps; the save's own write says if it fails
-                    logger.warning("safeckpt: could not make room for step %d: %s", job.step, e)
-        said = parts.gather(
-            (job.cancel_requested, _portable(refused)), parts.writer, what=f"starting step {job.step}"
+            if refused is None:
+                self._tiers.before_write(job.step)
+        said = ranks.gather(
+            (job.cancel_requested, _portable(refused)), ranks.writer, what=f"starting step {job.step}"
         )
         cancel = said[0][0]  # rank 0's say
         refusals = {rank: e for rank, (_, e) in enumerate(said) if e is not None}
@@ -221,54 +216,45 @@ class Committer:
         try:
             if job.pending is not None:  # overlap_staging: the copy into the slot, finished
                 job.pending.wait()
-            if parts.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
+            if ranks.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
                 prints = fingerprints(job.dcp_state, job.step)
             self._store.make_dir(job.staging_dir.key)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(
-                nest_for_dcp(job.dcp_state), job.staging_dir, parts.writer, plans=self._plans
+                nest_for_dcp(job.dcp_state), job.staging_dir, ranks.writer, plans=self._plans
             )
-            train_name = train_state_filename(parts.rank)
+            train_name = train_state_filename(ranks.rank)
             self._store.write_new((job.staging_dir / train_name).key, job.train_state)
             sums = {name: None if c is None else c.to_json() for name, c in written.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
             if job.pending is not None and job.pending.error is not None:
                 raise job.pending.error  # after the collective write: every rank learns it next
-        except _WRITE_ERRORS as e:
+        except DCP_ERRORS as e:
             error = e
         finally:
             job.release_staging(self._pool)
         written_at = time.monotonic()
-        gathered = parts.gather(
-            (_portable(error), sums, prints), parts.writer, what=f"writing step {job.step}"
+        gathered = ranks.gather(
+            (_portable(error), sums, prints), ranks.writer, what=f"writing step {job.step}"
         )
         failed = {rank: e for rank, (e, _, _) in enumerate(gathered) if e is not None}
         commit_error: BaseException | None = None
         if not failed and self._commits_here:
-            if parts.is_leader:
+            if ranks.is_leader:
                 self._warn_diverging(job.step, [p for _, _, p in gathered])
-            node = self._nodes.node_of[parts.rank]
-            checksums: dict[str, Any] = {}  # each file by name, with its writer's sums where known
-            for rank, (_, theirs, _) in enumerate(gathered):
-                if self._nodes.count > 1:  # only this node's ranks' own files (with their sums) are here
-                    if self._nodes.node_of[rank] == node:
-                        checksums.update((n, c) for n, c in theirs.items() if c is not None)
-                    continue
-                checksums.update((n, c) for n, c in theirs.items() if c is not None or n not in checksums)
             try:
-                self._commit(job, checksums, part=self._part_of(job, node))
+                self._commit(job, self._checksums_here(gathered))
             except Exception as e:
                 commit_error = e
-        commit_errors = parts.gather(
-            _portable(commit_error), parts.writer, what=f"committing step {job.step}"
+        commit_errors = ranks.gather(
+            _portable(commit_error), ranks.writer, what=f"committing step {job.step}"
         )
         failed.update((rank, e) for rank, e in enumerate(commit_errors) if e is not None)
         if failed:
-            if job.committed_here:  # this node's part, without another node's: never whole
-                self._node_commits.withdraw(job)
+            if job.committed_here:  # committed in this root, not in another's: taken back
+                self._tiers.settled(job, everywhere=False)
             self._fail(job, failed, error)
             return
-        self._node_commits.release(job)
         self._view.finish(job, COMMITTED)
         logger.info(
             "safeckpt: committed step %d in %.2f s (write %.2f s)",
@@ -278,28 +264,40 @@ class Committer:
         )
         if self._commits_here:
             try:  # bookkeeping after a commit never fails it (it is retried at the next one)
-                committed = self._view.get(job.step)
-                if self._on_commit is not None and committed is not None:
-                    self._on_commit(committed)
+                self._tiers.settled(job, everywhere=True)
                 self._register(job.step)
                 self.prune()
             except Exception as e:
                 logger.warning(
                     "safeckpt: after committing step %d: %s; retried at the next commit", job.step, e
                 )
-        self._outcomes.share_view(parts.writer, what=f"the checkpoints after step {job.step}")
+        self._outcomes.share_view(ranks.writer, what=f"the checkpoints after step {job.step}")
+
+    def _checksums_here(self, gathered: list[tuple[Any, dict[str, Any], Any]]) -> dict[str, Any]:
+        """Each file of this root by name, with its writer's checksums where known: the files of the
+        ranks that share this root (every rank's, on one shared root)."""
+        # A rank names every file of the save, with checksums for those it wrote: on a root that
+        # some ranks share, only those are its.
+        every_file = len(self._sharing) == self._ranks.world_size
+        checksums: dict[str, Any] = {}
+        for rank, (_, theirs, _) in enumerate(gathered):
+            if rank in self._sharing:
+                checksums.update(
+                    (n, c) for n, c in theirs.items() if c is not None or (every_file and n not in checksums)
+                )
+        return checksums
 
     def _fail(self, job: SaveJob, failed: dict[int, BaseException], own: BaseException | None) -> None:
-        parts = self._parts
+        ranks = self._ranks
         if self._commits_here:
             self._discard_staging(job.staging_dir)
-        if parts.is_leader:
+        if ranks.is_leader:
             latest = self._view.latest
             pointer = f"still names {'step ' + str(latest) if latest is not None else 'nothing'}"
         else:
             pointer = "is unchanged"
         error = save_failed(
-            job.step, failed, own=own, root=self._layout.root, latest=pointer, distributed=parts.distributed
+            job.step, failed, own=own, root=self._layout.root, latest=pointer, distributed=ranks.distributed
         )
         self._view.finish(job, FAILED, error)
         logger.error("safeckpt: %s", error)
@@ -321,14 +319,8 @@ class Committer:
                 "cleaning up", "could not clean up a failed save (%s): %s", staging_dir.name, e
             )
 
-    def _part_of(self, job: SaveJob, node: int) -> dict[str, Any] | None:
-        """What a node's record says of its part (None with one node: the record is whole)."""
-        if self._nodes.count == 1:
-            return None
-        return {"id": job.staging_dir.name, "node": node, "nodes": self._nodes.count}
-
-    def _commit(self, job: SaveJob, checksums: Mapping[str, Any], *, part: Mapping[str, Any] | None) -> None:
-        """Rank 0 (each node's leader, for its part), under the sidecar lock: record, then the
+    def _commit(self, job: SaveJob, checksums: Mapping[str, Any]) -> None:
+        """Rank 0 (the lowest rank sharing this root), under the sidecar lock: record, then the
         rename into place, then ``latest``.
 
         The rename of the complete directory (record included) to ``step_<N>`` is
@@ -355,7 +347,6 @@ class Committer:
         # DCP's own writer, every file) are computed from the files, still in the page cache.
         sums = {n: checksums.get(n) or checksum_file(job.staging_dir / n).to_json() for n in files}
         target = layout.step_dir(job.step)
-        held = self._node_commits.holding_place(job, part)  # a node's part: see .node_commits
         with self._lock:
             # Built under the lock: a pin() of this step either lands in the job first or finds
             # the committed checkpoint after (pin holds the same lock), never in between.
@@ -365,16 +356,16 @@ class Committer:
                 files=files,
                 metrics=dict(job.metrics),
                 extra=dict(job.extra),
-                world_size=self._parts.world_size,
+                world_size=self._ranks.world_size,
                 pinned=job.pinned,
                 torch_version=torch.__version__,
                 library_version=__version__,
                 retention=retention_json(self.retention),
                 checksums=sums,
                 seq=self._view.take_seq(),
-                part=part,
-                local=None if self._stamp is None else self._stamp(),
             )
+            tiered = self._tiers.commit(job, record)  # the record as the tiers stamp it
+            record = tiered.record
             write_record(job.staging_dir, record, self._lock)
             self._store.make_dir(layout.trash.key)
             try:
@@ -382,24 +373,23 @@ class Committer:
                     job.staging_dir.key,
                     target.key,
                     displaced=layout.new_trash_path(job.step, REPLACED).key,
-                    retired=(held or layout.new_trash_path(job.step, PRUNED)).key,
+                    retired=(tiered.keep_replaced or layout.new_trash_path(job.step, PRUNED)).key,
                 )
             except BaseException as e:
                 # Cut short after its commit point (a failed fsync after the rename; on S3 an
                 # interrupt or error after the commit object landed) it is committed all the same,
                 # and its staging must not be discarded as a failed save's.
-                if not _holds(target, record):
+                if not _in_place(target, record):
                     raise
                 job.committed_here = True
-                self._node_commits.hold(job, held)
                 if not isinstance(e, OSError):
                     self._view.commit(Committed(target, record))
                     raise
                 logger.warning("safeckpt: step %d is in place, but syncing it failed", job.step)
                 replaced = False
             job.committed_here = True
-            if self._node_commits.hold(job, held):
-                replaced = False  # the old copy is held, not in the trash
+            if tiered.keep_replaced is not None:
+                replaced = False  # the old copy is kept there, not in the trash
             self._view.commit(Committed(target, record))
             try:
                 self._store.write_pointer(layout.latest_path.key, step_dirname(job.step))
@@ -456,93 +446,15 @@ class Committer:
         return is_best(step, committed, self.retention)
 
     def prune(self) -> None:
-        """Rank 0: move committed checkpoints that retention drops into the trash.
+        """Rank 0: prune what retention drops (see :meth:`.pruner.Pruner.prune`)."""
+        self._pruner.prune()
 
-        Never the one ``latest`` names, one with a save in flight, one pinned
-        (the pin is re-read from the record, as a ``safeckpt pin`` may have set it),
-        or one whose registration is queued or running (up to ``registration_timeout``
-        once it runs). What that holds back is pruned at a later commit or at ``close()``.
-        """
-        assert self._lock is not None
-        self._refresh_pins()
-        registering = self._registration.pending_steps() if self._registration is not None else frozenset()
-        uploading = self._holds() if self._holds is not None else frozenset()
-        drop = self._view.prune_plan(self.policy, held=registering | uploading)
-        held = self._view.prune_plan(self.policy) - drop if registering or uploading else frozenset()
-        if (held & registering) - self._held_for_registration:
-            logger.info(
-                "safeckpt: keeping step(s) %s until their registration ends",
-                ", ".join(map(str, sorted(held & registering))),
-            )
-        self._held_for_registration = set(held & registering)
-        self._held_back = set(held)
-        if drop:
-            self._warn_narrower_retention(drop)
-        removed = []
-        for step in sorted(drop):
-            try:
-                if self._trash_one(step):
-                    removed.append(step)
-            except OSError as e:
-                logger.warning("safeckpt: could not prune step %d (%s); will retry", step, e)
-        if removed:
-            logger.info("safeckpt: pruned step(s) %s of %s", ", ".join(map(str, removed)), self.root)
-            assert self._deleter is not None
-            self._deleter.schedule()
+    def prune_deferred(self) -> None:
+        """Rank 0 at ``close()``, after the registrations and the tiers ended: prune what they kept."""
+        self._pruner.prune_deferred()
 
-    def _warn_narrower_retention(self, drop: frozenset[int]) -> None:
-        """Rank 0, before removing ``drop``: warn, once per step, about those that the retention of
-        the run that wrote the newest older record kept (a resume with narrower rules)."""
-        current = json.loads(json.dumps(retention_json(self.retention)))  # as a record reads back
-        earlier = self._view.earlier_retention(current)
-        if earlier is None:
-            return
-        try:
-            rules = Retention.from_json(earlier)
-        except (CheckpointError, TypeError, ValueError):
-            return  # a custom policy cannot be rebuilt: nothing to compare with
-        infos = [c.info() for c in self._view.committed()]
-        reasons = explain(infos, rules)
-        lost = {s: reasons[s] for s in sorted(drop - self._warned_narrower) if reasons.get(s)}
-        if not lost:
-            return
-        self._warned_narrower.update(lost)
-        logger.warning(
-            "safeckpt: this run's retention (%s) is narrower than the one that wrote this root's earlier "
-            "checkpoints (%s): it now removes %s, which that retention kept. Pass the earlier rules "
-            "(or pin these steps: `safeckpt pin ROOT STEP`) to keep them.",
-            self.policy.reason(),
-            rules.policy().reason(),
-            "; ".join(f"step {s} ({', '.join(why)})" for s, why in lost.items()),
-        )
-
-    def prune_held_back(self) -> None:
-        """Rank 0 at ``close()``, after the registrations and uploads ended: prune what they held back."""
-        if not self._held_back or self._deleter is None:
-            return
-        try:
-            self.prune()
-        except Exception as e:  # pruning never fails the job
-            logger.warning("safeckpt: pruning after the registrations ended failed: %s", e)
-
-    def _refresh_pins(self) -> None:
-        """Re-read the records of pinned checkpoints: a `safeckpt unpin` changes only the record."""
-        for entry in self._view.pinned():
-            try:
-                record = read_record(entry.path)
-            except IncompleteCheckpointError:
-                continue
-            if record is not None and not record.pinned:
-                self._view.update(Committed(entry.path, record))
-
-    def _trash_one(self, step: int) -> bool:
-        assert self._lock is not None
-        moved, record = discard_checkpoint(self._layout, self._lock, step)
-        if moved:
-            self._view.forget(step)
-        elif record is not None:
-            self._view.update(Committed(self._layout.step_dir(step), record))
-        return moved
+    def _pending_registrations(self) -> frozenset[int]:
+        return self._registration.pending_steps() if self._registration is not None else frozenset()
 
 
 def _as_checkpoint_error(error: BaseException, step: int) -> CheckpointError:
@@ -555,7 +467,7 @@ def _as_checkpoint_error(error: BaseException, step: int) -> CheckpointError:
     return wrapped
 
 
-def _holds(target: Loc, record: Record) -> bool:
+def _in_place(target: Loc, record: Record) -> bool:
     """Whether ``target`` is the checkpoint ``record`` describes (its commit happened)."""
     try:
         found = read_record(target)

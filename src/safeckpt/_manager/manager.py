@@ -10,7 +10,9 @@ collective call's agreement, and one view of the checkpoints on every rank).
 They share one view of every save (:mod:`.saves`: queued, writing, committed,
 cancelled), which the writer and retention both act on: a removal is a decision
 about it, never a blind ``rm`` of a path. Rank 0 alone writes records, moves
-``latest`` and prunes; every rank writes its own shards.
+``latest`` and prunes; every rank writes its own shards. The tiers beside the
+root (``local_dir=``) plug in through :mod:`.tiering`; without them, its
+:class:`~.tiering.OneTier` does nothing.
 """
 
 from __future__ import annotations
@@ -32,25 +34,18 @@ from .._policy.retention import Policy, Retention, is_policy
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._restore.restored import Restored
-from .._store.registry import local_path, open_store
+from .._store.registry import open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
-from .durable import DurableTier
-from .leader_wait import on_leader
-from .nodes import find_nodes
 from .preemption import PreemptionHandlers
 from .saves import CheckpointStatus
-from .uploads import Uploader, not_uploaded_error
+from .tiering import TierOptions, Waited, tiers_for
 from .wiring import wire
 
 if TYPE_CHECKING:
     from .._fs.fileops import FileOps
 
 logger = logging.getLogger(__name__)
-
-# How long another node's leader waits at close() for its last uploads, once rank 0 has waited for
-# their commits: only to see them and mark its local copies.
-_NODE_CLOSE_TIMEOUT = 10.0
 
 
 class CheckpointManager:
@@ -174,15 +169,12 @@ class CheckpointManager:
                 "overlap_staging=True copies the state in the background after save() returns; it "
                 "needs async_save=True (a sync save has written the state when it returns)."
             )
-        if local_dir is None and local_retention is not None:
-            raise ConfigError("local_retention= is the retention of local_dir=; pass local_dir= too.")
         if schedule is not None and not isinstance(schedule, SaveSchedule):
             raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         store = open_store(root, ops=file_ops, options=storage_options)
         self.root = store.where("")
-        self.local_dir = None if local_dir is None else _local_dir(local_dir, self.root)
         self.read_only = bool(read_only)
         self.async_save = async_save
         self.retention = retention if retention is not None else Retention()
@@ -194,37 +186,32 @@ class CheckpointManager:
         self.schedule = schedule
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
-        parts = Participants.create(timeout=timeout, group=process_group)
-        durable, nodes = None, None
-        if self.local_dir is not None:
-            if registrar is not None:
-                parts.release()
-                raise ConfigError(
-                    "local_dir= works without a registrar, for now; to register checkpoints, save "
-                    "to the root directly (without local_dir=)."
+        ranks = Participants.create(timeout=timeout, group=process_group)
+        try:  # the tiers beside the root (local_dir=), or none: the seam of .tiering
+            setup = tiers_for(
+                TierOptions(
+                    root=store,
+                    ranks=ranks,
+                    retention=self.retention,
+                    local_dir=local_dir,
+                    local_retention=local_retention,
+                    upload_timeout=self.upload_timeout,
+                    drain_timeout=drain_timeout,
+                    has_registrar=registrar is not None,
+                    read_only=self.read_only,
+                    lock_timeout=lock_timeout,
+                    retry_interval=retry_interval,
+                    file_ops=file_ops,
                 )
-            durable = DurableTier(
-                store,
-                parts,
-                self.retention,
-                read_only=self.read_only,
-                lock_timeout=lock_timeout,
-                retry_interval=retry_interval,
-                io=io,
             )
-            store = open_store(self.local_dir, ops=file_ops)
-            try:
-                nodes = find_nodes(store, parts, read_only=self.read_only)
-            except BaseException:
-                parts.release()
-                raise
-        self.local_retention: Retention | Policy | None = None
-        if durable is not None:
-            self.local_retention = local_retention if local_retention is not None else Retention(keep_last=2)
+        except BaseException:
+            ranks.release()
+            raise
+        self.local_dir: Path | None = setup.local_dir
+        self.local_retention: Retention | Policy | None = setup.local_retention
         w = wire(
-            store,
-            parts,
-            retention=self.local_retention or self.retention,
+            setup,
+            ranks,
             schedule=schedule,
             signals=signals,
             async_save=async_save,
@@ -236,13 +223,10 @@ class CheckpointManager:
             registrar=registrar,
             registration_timeout=self.registration_timeout,
             io=io,
-            durable=durable,
             overlap=bool(overlap_staging),
-            nodes=nodes,
         )
-        self._durable, self._uploader = durable, w.uploader
-        self._upload_stuck = False
-        self._parts, self._view, self._session, self._outcomes = parts, w.view, w.session, w.outcomes
+        self._tiers = setup.tiers
+        self._ranks, self._view, self._session, self._outcomes = ranks, w.view, w.session, w.outcomes
         self._committer, self._resumer, self._triggers, self._pins = (
             w.committer,
             w.resumer,
@@ -293,23 +277,8 @@ class CheckpointManager:
         self._saver.settle()
         if self._writer is not None:
             self._writer.wait_idle()
-        error: BaseException | None = None
-        if durable and self._durable is not None:
-            if self._uploader is not None and not self._parts.is_leader:
-                self._uploader.wake()  # another node's leader: rank 0's commits wait for its parts
-            self._outcomes.same_call("wait(durable=True)")  # before rank 0's heartbeats
-            uploaded = on_leader(
-                self._parts,
-                lambda beat: self._uploads().wait(
-                    self.upload_timeout, give_up_on_failure=True, heartbeat=beat
-                ),
-                what="wait(durable=True): rank 0's uploads",
-            )
-            if uploaded is not None:  # rank 0's answer; the other ranks have none (None)
-                lost = self._uploads().take_lost()
-                steps, cause = self._uploads().waiting() if not uploaded else ([], None)
-                if steps or lost:
-                    error = not_uploaded_error(self.root, self.local_dir, steps, cause, lost=lost)
+        # with local_dir=: until every local commit is committed in the root (collective)
+        error = self._tiers.wait(closing=False).error if durable else None
         self._outcomes.conclude(error, what="wait()")
 
     def flush(self) -> None:
@@ -445,16 +414,13 @@ class CheckpointManager:
         if self._writer is not None:
             attempt(self._writer.close)
         attempt(self._committer.close_registration)
-        if self._durable is not None:
-            attempt(self._close_uploads)
-        attempt(self._committer.prune_held_back)
+        waited: list[Waited] = []
+        attempt(lambda: waited.append(self._tiers.wait(closing=True)))  # the tiers beside the root
+        attempt(self._committer.prune_deferred)
         self._plans.forget()
         attempt(lambda: self._session.drain(self.drain_timeout))
-        if not self._upload_stuck:  # a stuck upload still marks local records when it ends
+        if not any(w.busy for w in waited):  # their work still running writes here when it ends
             errors.extend(self._session.release())
-        if self._durable is not None and not self._upload_stuck:
-            attempt(lambda: self._durable.drain(self.drain_timeout))
-            errors.extend(self._durable.release())
         _unregister_atexit(self._atexit)
         # only now, with the last save durable: a second SIGTERM during it only set the flag
         attempt(self._signals.restore)
@@ -465,41 +431,7 @@ class CheckpointManager:
             # after the last collective on them; a writer still inside DCP (a second Ctrl-C
             # during the join) keeps them until exit
             if self._writer is None or not self._writer.alive:
-                self._parts.release()
-
-    def _uploads(self) -> Uploader:
-        assert self._uploader is not None  # rank 0 (or a node's leader) of a manager with local_dir=
-        return self._uploader
-
-    def _close_uploads(self) -> None:
-        """Collective: rank 0 waits for the uploads while they succeed; what is left is uploaded
-        by the next start."""
-        self._outcomes.same_call("close(): uploads")  # before rank 0's heartbeats
-        closed = on_leader(
-            self._parts,
-            lambda beat: self._uploads().close(self.upload_timeout, heartbeat=beat),
-            what="close(): rank 0's uploads",
-        )
-        if closed is None:  # not rank 0
-            if self._uploader is not None:  # another node's leader: rank 0 has committed what it could
-                _, self._upload_stuck = self._uploader.close(_NODE_CLOSE_TIMEOUT)
-            return
-        left, self._upload_stuck = closed
-        if self._upload_stuck:
-            # Both tiers' locks and owner records stay held (a lease expires on its own): never a
-            # second writer beside a request still in flight, or beside its local mark after it.
-            logger.warning("safeckpt: an upload to %s is still in flight at close(); left running", self.root)
-        if left:
-            logger.warning(
-                "safeckpt: step(s) %s of %s are committed in %s but not uploaded to %s; the next start "
-                "with local_dir=, or `safeckpt upload %s --local-dir %s`, uploads them",
-                ", ".join(map(str, left)),
-                self.root,
-                self.local_dir,
-                self.root,
-                self.root,
-                self.local_dir,
-            )
+                self._ranks.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -530,28 +462,7 @@ class CheckpointManager:
             self._writer.pending,
             self.root,
         )
-        self._writer.wait_idle(timeout=self._parts.timeout)
-
-
-def _local_dir(local_dir: str | os.PathLike[str], root: Path | str) -> Path:
-    text = os.fspath(local_dir)
-    local = local_path(text)  # a file:// URL's path; a mistyped URL is refused, never created
-    if local is None:
-        raise ConfigError(
-            f"local_dir={text!r} is a URL; it must be a directory on this machine's disk (the fast "
-            "tier). The durable tier is the root.",
-            path=text,
-        )
-    path = Path(local).absolute()
-    if isinstance(root, Path):  # a local root (a store names a URL root as a str)
-        durable = root
-        if path == durable or durable in path.parents or path in durable.parents:
-            raise ConfigError(
-                f"local_dir={path} and the root {durable} are one inside the other; give the local "
-                "tier a directory of its own.",
-                path=text,
-            )
-    return path
+        self._writer.wait_idle(timeout=self._ranks.timeout)
 
 
 def _register_atexit(manager: CheckpointManager) -> Any:

@@ -27,28 +27,28 @@ class Outcomes:
     the control group); every rank calls it in the same order.
     """
 
-    def __init__(self, parts: Participants, view: SaveView, *, own_view: bool = False) -> None:
-        """``own_view``: this rank keeps its own view (a node's leader, with a local tier on each
-        node's disk: its view is of its node's root)."""
-        self._parts = parts
+    def __init__(self, ranks: Participants, view: SaveView, *, own_view: bool = False) -> None:
+        """``own_view``: this rank keeps its own view (it commits in a root rank 0 does not see:
+        ``TierSetup.sharing``)."""
+        self._ranks = ranks
         self._view = view
         self._own_view = own_view
 
     def share_view(self, group: Any, *, what: str) -> None:
         """Every rank's view of committed checkpoints becomes rank 0's, so queries
         (``latest_step``, ``checkpoints()``) answer the same on every rank without a collective."""
-        if not self._parts.distributed:
+        if not self._ranks.distributed:
             return
-        mine = self._view.snapshot() if self._parts.is_leader else None
-        snapshot = self._parts.broadcast(mine, group, what=what)
-        if not self._parts.is_leader and not self._own_view:
+        mine = self._view.snapshot() if self._ranks.is_leader else None
+        snapshot = self._ranks.broadcast(mine, group, what=what)
+        if not self._ranks.is_leader and not self._own_view:
             self._view.load_snapshot(snapshot)
 
     def same_call(self, what: str) -> None:
         """Before a collective that is not a :meth:`conclude`: every rank is in call ``what``, or
         every rank raises :class:`RankAgreementError` (a rank in a :meth:`conclude` raises it too:
         the same gather)."""
-        gathered = self._parts.gather((what, None, {}), self._parts.control, what=what)
+        gathered = self._ranks.gather((what, None, {}), self._ranks.control, what=what)
         self._same_calls([call for call, _, _ in gathered], None)
 
     def _same_calls(self, calls: list[str], step: int | None) -> None:
@@ -61,7 +61,7 @@ class Outcomes:
                 "committed; fix the training loop so all ranks make the same calls.",
                 failures=doing,
                 step=step,
-                rank=self._parts.rank,
+                rank=self._ranks.rank,
             )
 
     def conclude(
@@ -81,9 +81,9 @@ class Outcomes:
         raise once its own work is done. Otherwise ``error`` from any rank.
         """
         mine = self._view.unraised()
-        gathered = self._parts.gather(
+        gathered = self._ranks.gather(
             (what, _portable(error), {seq: _portable(e) for seq, e in mine.items()}),
-            self._parts.control,
+            self._ranks.control,
             what=what,
         )
         self._same_calls([call for call, _, _ in gathered], step)
@@ -104,7 +104,7 @@ class Outcomes:
             raise first
         if not errors:
             return None
-        if not self._parts.distributed:
+        if not self._ranks.distributed:
             assert error is not None
             raise error
         raise agreed_error(errors, what=what, step=step)

@@ -3,8 +3,9 @@
 A pin is a flag in the checkpoint's record, amended under the sidecar lock by
 rank 0; a save still in flight takes the pin with it when it commits (the
 commit holds the same lock, so a pin never falls between the two). Unpinning
-lets retention decide again at once. With two tiers, the durable copy is
-pinned too (and a step only the durable tier still holds can be pinned there).
+lets retention decide again at once. With tiers beside the root (``local_dir=``),
+their copies are pinned too (:meth:`~.tiering.Copies.pin`; a step only they
+still hold can be pinned there).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from .._format.record import amend_record
 from .._util.validate import validate_step
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .committer import Committer
-from .durable import DurableTier
 from .outcomes import Outcomes
 from .saves import Committed, SaveView
 from .session import RootSession
+from .tiering import Copies
 
 __all__ = ["Pins"]
 
@@ -31,16 +32,16 @@ class Pins:
         self,
         root: Path,
         *,
-        parts: Participants,
+        ranks: Participants,
         view: SaveView,
         session: RootSession,
         committer: Committer,
         outcomes: Outcomes,
-        durable: DurableTier | None = None,
+        copies: Copies | None = None,
     ) -> None:
         self.root = root
-        self._durable = durable  # two tiers: the durable copy is pinned too
-        self._parts = parts
+        self._copies = copies  # beside the root (local_dir=): their copies are pinned too
+        self._ranks = ranks
         self._view = view
         self._session = session
         self._committer = committer
@@ -50,13 +51,13 @@ class Pins:
         """Rank 0 changes the record; every rank returns or raises the same."""
         what = f"{'pin' if pinned else 'unpin'}({step})"
         error: BaseException | None = None
-        if self._parts.is_leader:
+        if self._ranks.is_leader:
             try:
                 self._set_pinned_here(validate_step(step), pinned)
             except Exception as e:
                 error = e
-        self._parts.agree(error, self._parts.control, what=what)
-        self._outcomes.share_view(self._parts.control, what=what)
+        self._ranks.agree(error, self._ranks.control, what=what)
+        self._outcomes.share_view(self._ranks.control, what=what)
 
     def _set_pinned_here(self, step: int, pinned: bool) -> None:
         verb = "pin" if pinned else "unpin"
@@ -78,11 +79,10 @@ class Pins:
                         path=str(entry.path),
                     ) from e
                 self._view.update(Committed(entry.path, record))
-        # After the local copy, outside its lock (the durable root may be slow or down): an upload
-        # that read the local record before this pin makes the durable copy's pin the local one's
-        # when it marks that record, under the local lock.
-        durable = self._set_pinned_durable(step, pinned, here=entry is not None or in_flight)
-        if entry is None and not in_flight and not durable:
+        # After this root's copy, outside its lock: another root may be slow or down.
+        here = entry is not None or in_flight
+        elsewhere = self._copies is not None and self._copies.pin(step, pinned, here=here)
+        if not here and not elsewhere:
             raise CheckpointNotFoundError(
                 f"there is no checkpoint of step {step} in {self.root} to {verb}; see "
                 "mgr.checkpoints() for the saved steps.",
@@ -91,21 +91,3 @@ class Pins:
             )
         if not pinned:
             self._committer.prune()
-
-    def _set_pinned_durable(self, step: int, pinned: bool, *, here: bool) -> bool:
-        """The durable copy's pin (two tiers); whether the durable root has one. ``here``: the local
-        copy took the pin already (the error then says so)."""
-        if self._durable is None:
-            return False
-        try:
-            return self._durable.set_pinned(step, pinned)
-        except (CheckpointError, OSError) as e:
-            verb, done = ("pin", "pinned") if pinned else ("unpin", "unpinned")
-            local = f"step {step} is {done} in {self.root}, but " if here else ""
-            raise CheckpointError(
-                f"{verb}({step}): {local}its durable copy in {self._durable.root} could not be "
-                f"{done} ({type(e).__name__}: {e}). Call {verb}({step}) again once "
-                f"{self._durable.root} can be written.",
-                step=step,
-                path=str(self._durable.root),
-            ) from e

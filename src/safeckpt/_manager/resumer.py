@@ -3,6 +3,10 @@
 The restore half of :class:`~safeckpt.CheckpointManager`: auto-resume
 takes the newest commit that every rank can load, stepping over a damaged one
 on every rank together; an explicit step raises the same error on every rank.
+
+With tiers beside the root (``local_dir=``), a restore chooses among the roots
+their :class:`~.tiering.Copies` names, in order: a copy that fails in one root
+is excluded there only, so the next root's copy of the same commit is tried.
 """
 
 from __future__ import annotations
@@ -14,9 +18,8 @@ from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from .._dcp import safe_metadata
+from .._dcp.io import DCP_ERRORS
 from .._dcp.options import IOOptions
 from .._dcp.options import using as using_io
 from .._dist.failures import storage_error
@@ -36,9 +39,7 @@ from .._restore.choose import (
 )
 from .._restore.load import load as load_state
 from .._restore.load_into import load_checkpoint
-from .._restore.part_overlay import PartOverlay, local_part
 from .._restore.restored import Restored
-from .._restore.tiers import choose_across
 from .._store.loc import Loc
 from .._util.gc_pause import collector_paused
 from .._util.validate import validate_or_none
@@ -46,11 +47,9 @@ from ..errors import CheckpointError, IncompleteCheckpointError
 from .damaged import DamagedCommits
 from .outcomes import Outcomes
 from .session import RootSession
+from .tiering import Copies
 
 logger = logging.getLogger("safeckpt.manager")
-
-_WRITE_ERRORS = (Exception, CheckpointException)
-
 
 # What a failed attempt at one checkpoint leads to, the same on every rank.
 _LOADED = "loaded"
@@ -69,28 +68,24 @@ class Resumer:
         self,
         root: Path,
         *,
-        parts: Participants,
+        ranks: Participants,
         layout: Layout,
         session: RootSession,
         damaged: DamagedCommits,
         outcomes: Outcomes,
         save_rng: bool,
         io: IOOptions,
-        durable: Layout | None = None,
-        local_reads: bool = True,
+        copies: Copies | None = None,
     ) -> None:
-        """``durable``: with two tiers, the durable root (``layout`` is then the local tier);
-        ``local_reads=False``: restore from the durable root only (each node's local copy holds
-        only its part of a checkpoint)."""
+        """``copies``: the roots a restore chooses from beyond ``layout`` (with ``local_dir=``)."""
         self.root = root
         self.save_rng = save_rng
-        self._parts = parts
+        self._ranks = ranks
         self._layout = layout
-        self._tiers = [layout] if durable is None else [layout, durable] if local_reads else [durable]
-        self._own_first = self._tiers[0] is layout  # tier 0 is this manager's own root
-        # Each node's local copy is its part of a checkpoint: read with the root's (part_overlay).
-        self._reads_parts = durable is not None and not local_reads
-        self._parts_failed: set[int] = set()  # steps whose local parts failed: read from the root
+        self._copies = copies
+        self._roots = [layout] if copies is None else list(copies.roots)
+        # root 0 is this manager's own: what fails to load there is moved aside
+        self._own_first = self._roots[0].store.url == layout.store.url
         self._session = session
         self._damaged = damaged
         self._outcomes = outcomes
@@ -129,7 +124,7 @@ class Resumer:
     ) -> Restored:
         step = validate_or_none(step)
         auto = step is None and path is None
-        excluded: list[set[int]] = [set() for _ in self._tiers]  # per tier: steps found unloadable
+        excluded: list[set[int]] = [set() for _ in self._roots]  # per root: steps found unloadable
         filled: list[int] = []  # steps that failed while being read, after filling part of the state
         rereads = 0
         try:
@@ -161,9 +156,9 @@ class Resumer:
                 if outcome == _LOADED:
                     break
                 if outcome == _SKIP:
-                    tier = self._tier_of(directory)
-                    excluded[tier].add(record.step)
-                    if tier == 0 and self._own_first:  # the manager moves aside only what is in its own root
+                    root = self._root_of(directory)
+                    excluded[root].add(record.step)
+                    if root == 0 and self._own_first:  # the manager moves aside only what is in its own root
                         self._note_unloadable(directory, record, report)
                     continue
                 rereads += 1
@@ -207,14 +202,14 @@ class Resumer:
     ) -> tuple[str, Any]:
         """One attempt at one checkpoint on every rank: loaded (and the load's report), or what to do
         next (and, to skip it, why), the same on every rank."""
-        parts = self._parts
+        ranks = self._ranks
         what = f"restore of step {record.step}"
         # Each rank checks its own files first, so one rank's damaged file is the same error on
         # every rank within seconds (not a timeout in DCP's collective), or a fallback for all.
-        overlay = self._with_local_part(directory, record)
+        overlay = self._copies.read_with(directory, record) if self._copies is not None else None
         local = overlay is not None
         directory = overlay or directory
-        own = _attempt(check_own_files, directory, record, parts.rank)
+        own = _attempt(check_own_files, directory, record, ranks.rank)
         outcome, why = self._next_move(own, what, directory, record, asked, local=local)
         if outcome != _LOADED:
             return outcome, why
@@ -225,26 +220,15 @@ class Resumer:
                 state,
                 directory,
                 record,
-                parts,
+                ranks,
                 with_rng=self.save_rng,
                 filling=functools.partial(began.append, True),
                 **options,
             )
-        except _WRITE_ERRORS as e:
+        except DCP_ERRORS as e:
             load_error = as_read_error(e, directory, record)
         outcome, why = self._next_move(load_error, what, directory, record, asked, local=local)
         return outcome, report if outcome == _LOADED else why
-
-    def _with_local_part(self, directory: Loc, record: Record) -> Loc | None:
-        """``directory`` read with this node's local part of it, where this node holds one."""
-        if not self._reads_parts or record.step in self._parts_failed:
-            return None
-        found = local_part(self._layout, record)
-        if found is None:
-            return None
-        part, files = found
-        logger.info("safeckpt: reading %d file(s) of step %d from %s", len(files), record.step, part)
-        return Loc(PartOverlay(directory.store, directory.key, part, files), directory.key)
 
     def load(self, step: int | None = None) -> dict[Any, Any]:
         """This root's checkpoint (the one ``restore`` would take, or ``step``) without a template.
@@ -255,42 +239,36 @@ class Resumer:
         with using_io(self._io):
             return load_state(self._layout.root, step=validate_or_none(step))
 
-    def _tier_of(self, directory: Loc) -> int:
+    def _root_of(self, directory: Loc) -> int:
         # By URL: on the other ranks the chosen directory's store is one opened anew from it.
-        return next((i for i, t in enumerate(self._tiers) if t.store.url == directory.store.url), 0)
+        return next((i for i, t in enumerate(self._roots) if t.store.url == directory.store.url), 0)
 
     def _choose_here(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
     ) -> tuple[Loc, Record] | None:
-        if len(self._tiers) > 1:
-            return choose_across(
-                self._tiers, step, path, excluded=excluded, on_damaged=self._damaged_at_choice
-            )
+        if self._copies is not None:
+            return self._copies.choose(step, path, excluded=excluded, on_damaged=self._damaged_at_choice)
         return choose_checkpoint(
-            self._tiers[0],
-            step,
-            path,
-            exclude=excluded[0],
-            on_damaged=self._damaged_at_choice if self._own_first else None,
+            self._layout, step, path, exclude=excluded[0], on_damaged=self._damaged_at_choice
         )
 
     def _choose(
         self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
     ) -> tuple[Loc, Record] | None:
         """Rank 0 chooses; every rank gets the same choice, or the same error."""
-        parts = self._parts
-        if not parts.distributed:  # nothing to send: the record as read (no round trip through JSON)
+        ranks = self._ranks
+        if not ranks.distributed:  # nothing to send: the record as read (no round trip through JSON)
             return self._choose_here(step, path, excluded)
         choice: tuple[str, dict[str, Any]] | None = None
         error: BaseException | None = None
-        if parts.is_leader:
+        if ranks.is_leader:
             try:
                 found = self._choose_here(step, path, excluded)
                 choice = None if found is None else (found[0], found[1].to_json())
             except Exception as e:
                 error = e
-        choice, error = parts.broadcast(
-            (choice, _portable(error)), parts.control, what="choosing the checkpoint to restore"
+        choice, error = ranks.broadcast(
+            (choice, _portable(error)), ranks.control, what="choosing the checkpoint to restore"
         )
         if error is not None:
             raise error
@@ -310,25 +288,21 @@ class Resumer:
         local: bool = False,
     ) -> tuple[str, str]:
         """Agree on ``error``: ``_LOADED`` if every rank succeeded; ``_AGAIN`` when the checkpoint
-        was replaced or removed under this reader, or damage was found where a rank read its
-        node's local part (the root's copy is read next); ``_SKIP`` to fall back past damage
-        (auto-resume, or a step's local copy); else raise the same error on every rank.
+        was replaced or removed under this reader, or damage was found where a rank read files of
+        its own disk into it (:meth:`~.tiering.Copies.read_with`: it is read as it is next);
+        ``_SKIP`` to fall back past damage (auto-resume, or a step's copy in another root); else
+        raise the same error on every rank.
 
-        ``asked``: (auto-resume, a step was asked for); ``local``: this rank read a local part."""
+        ``asked``: (auto-resume, a step was asked for); ``local``: this rank read files of its own."""
         auto, step_asked = asked
-        gathered = self._parts.gather((_portable(error), local), self._parts.control, what=what)
+        gathered = self._ranks.gather((_portable(error), local), self._ranks.control, what=what)
         failed = {rank: e for rank, (e, _) in enumerate(gathered) if e is not None}
         if not failed:
             return _LOADED, ""
-        if any(part for _, part in gathered) and all(is_damage(e) for e in failed.values()):
-            self._parts_failed.add(record.step)
-            why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-            logger.warning(
-                "safeckpt: step %d cannot be loaded with the nodes' local parts (%s); reading it "
-                "from %s alone",
-                record.step,
-                why,
-                self._tiers[0].root,
+        if any(own for _, own in gathered) and all(is_damage(e) for e in failed.values()):
+            assert self._copies is not None  # only its read_with reads a rank's own files
+            self._copies.unreadable_with(
+                record.step, "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             )
             return _AGAIN, ""
         fate = self._fate(directory, record, what)
@@ -341,32 +315,31 @@ class Resumer:
             return _AGAIN, ""
         if fate is Fate.GONE:
             raise removed_while_read(directory, record)
-        # A damaged local copy falls back to the durable copy of the same step also when the
-        # step was asked for (a path given is loaded as it is, or fails).
-        fallback = auto or (step_asked and len(self._tiers) > 1 and self._tier_of(directory) == 0)
+        # A damaged copy in the first of several roots (a local one) falls back to the next root's
+        # copy of the same step also when the step was asked for (a path is loaded as it is).
+        another = len(self._roots) > 1 and self._root_of(directory) == 0
+        fallback = auto or (step_asked and another)
         if fallback and all(is_damage(e) for e in failed.values()):
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             logger.warning(
                 "safeckpt: step %d cannot be loaded (%s); falling back to %s",
                 record.step,
                 why,
-                "the next copy (its durable one, or an older commit)"
-                if len(self._tiers) > 1 and self._tier_of(directory) == 0
-                else "the commit before it",
+                "the next copy (in the next root, or an older commit)" if another else "the commit before it",
             )
             return _SKIP, why
-        if not self._parts.distributed:
+        if not self._ranks.distributed:
             assert error is not None
             raise error
         raise agreed_error(failed, what=what, step=record.step)
 
     def _fate(self, directory: Loc, record: Record, what: str) -> Fate:
         """Rank 0 looks whether ``directory`` still holds ``record``'s commit; every rank learns it."""
-        mine = fate_of(directory, record) if self._parts.is_leader else None
-        if not self._parts.distributed:
+        mine = fate_of(directory, record) if self._ranks.is_leader else None
+        if not self._ranks.distributed:
             assert mine is not None
             return mine
-        return Fate(self._parts.broadcast(mine and mine.value, self._parts.control, what=what))
+        return Fate(self._ranks.broadcast(mine and mine.value, self._ranks.control, what=what))
 
     # --- damaged checkpoints, moved aside ---------------------------------------------------
 
@@ -376,7 +349,7 @@ class Resumer:
 
     def _note_unloadable(self, directory: Loc, record: Record, reason: str) -> None:
         """Rank 0: auto-resume stepped over this commit; it no longer counts as the newest step."""
-        if self._parts.is_leader:
+        if self._ranks.is_leader:
             self._damaged.note(directory, record, reason)
 
     def _move_aside_unloadable(self) -> None:
@@ -384,9 +357,9 @@ class Resumer:
         it owns the root, moves what it stepped over to ``.damaged/``; every rank then takes rank
         0's view. Failure to move only warns: the steps stay out of the order check
         (:class:`DamagedCommits`) and are moved when this manager takes the root."""
-        if self._parts.is_leader:
+        if self._ranks.is_leader:
             self._session.move_damaged_aside()
-        self._outcomes.share_view(self._parts.control, what="the checkpoints after a restore")
+        self._outcomes.share_view(self._ranks.control, what="the checkpoints after a restore")
 
 
 def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
@@ -404,6 +377,6 @@ def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
 def _attempt(fn: Any, directory: Loc, record: Record, *args: Any) -> BaseException | None:
     try:
         fn(directory, record, *args)
-    except _WRITE_ERRORS as e:
+    except DCP_ERRORS as e:
         return as_read_error(e, directory, record)
     return None

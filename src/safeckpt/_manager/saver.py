@@ -42,7 +42,7 @@ class Saver:
         *,
         token: str,
         save_rng: bool,
-        parts: Participants,
+        ranks: Participants,
         layout: Layout,
         view: SaveView,
         session: RootSession,
@@ -59,7 +59,7 @@ class Saver:
         self.root = root
         self.save_rng = save_rng
         self._token = token  # the same on every rank: names the staging directory all ranks write
-        self._parts = parts
+        self._ranks = ranks
         self._layout = layout
         self._view = view
         self._session = session
@@ -111,7 +111,7 @@ class Saver:
             step = validate_step(step)
             clean = clean_metrics(metrics)
             check_json_value(dict(extra or {}), "extra")
-            if self._parts.is_leader:
+            if self._ranks.is_leader:
                 self._session.ensure_claimed(f"save(step={step})")
                 self._check_order(step, overwrite)
             try:
@@ -155,7 +155,7 @@ class Saver:
         self._view.add(job)
         if self._writer is not None:
             self._writer.submit(job)
-            if self._parts.is_leader:
+            if self._ranks.is_leader:
                 for cancelled in self._view.cancel_out_of_retention(self._committer.policy):
                     logger.info(
                         "safeckpt: cancelling queued save of step %d (out of retention)", cancelled.step
@@ -179,11 +179,11 @@ class Saver:
     def _acquire_slot(self, step: int) -> Any:
         assert self._pool is not None
         try:
-            return self._pool.acquire(timeout=self._parts.timeout)
+            return self._pool.acquire(timeout=self._ranks.timeout)
         except TimeoutError as e:
             raise SaveFailedError(
                 f"save(step={step}): the previous save has not freed its staging buffers within "
-                f"{self._parts.timeout:g} s (its write is stuck: a hung filesystem?). Nothing of step "
+                f"{self._ranks.timeout:g} s (its write is stuck: a hung filesystem?). Nothing of step "
                 f"{step} was written; check the storage, or raise timeout.",
                 step=step,
                 cause=e,

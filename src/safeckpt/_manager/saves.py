@@ -52,10 +52,7 @@ class SaveJob(Flight):
     pinned: bool = False
     slot: StagingSlot | None = None
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
-    committed_here: bool = False  # rank 0 committed it (set by the commit itself)
-    # A node's part that replaced a commit of its step: where the old copy is held (not in the trash,
-    # which the deleter empties) until every node has committed its part.
-    held: Loc | None = None
+    committed_here: bool = False  # this rank committed it in its root (set by the commit itself)
     submitted: float = field(default_factory=time.monotonic)
 
     @functools.cached_property
@@ -164,7 +161,7 @@ class SaveView:
             self._latest = entry.record.step
 
     def update(self, entry: Committed) -> None:
-        """A committed checkpoint's record changed (pin, registration, upload mark); ignored if it
+        """A committed checkpoint's record changed (pin, registration, a tier's mark); ignored if it
         is gone, or if its step was committed again since (another ``seq``): an amendment made on
         another thread must never stand in for the newer commit."""
         with self._lock:
@@ -177,8 +174,8 @@ class SaveView:
             self._committed.pop(step, None)
 
     def withdraw(self, step: int, previous: Committed | None) -> None:
-        """``step``'s newest commit was taken back (:func:`~safeckpt._root.withdraw.withdraw_checkpoint`),
-        and ``previous``, the commit it replaced, put back if there was one; ``latest`` becomes the
+        """``step``'s newest commit was taken back (it must not count: see :mod:`.tiering`), and
+        ``previous``, the commit it replaced, put back if there was one; ``latest`` becomes the
         newest commit, as the root's pointer does."""
         with self._lock:
             self._committed.pop(step, None)
@@ -294,16 +291,16 @@ class SaveView:
             # Marked, not cancelled: the writer cancels it once every rank agrees (see start).
             return [j for j in jobs if j.step in drop and not j.pinned and self._jobs.request_cancel(j)]
 
-    def prune_plan(self, policy: Policy, *, held: Iterable[int] = ()) -> frozenset[int]:
+    def prune_plan(self, policy: Policy, *, protected: Iterable[int] = ()) -> frozenset[int]:
         """Committed steps ``policy`` drops, judged by committed checkpoints only.
 
         Never ``latest`` nor a step with a save in flight: a checkpoint is not
-        removed because of saves that may still fail. Nor a step in ``held``
-        (its registration has not ended).
+        removed because of saves that may still fail. Nor a step in ``protected``
+        (its registration has not ended, or it is not in every tier yet).
         """
         with self._lock:
             infos = [c.info() for c in self._committed.values()]
-            protected = set(self._jobs.keys()) | set(held)
+            protected = set(self._jobs.keys()) | set(protected)
             if self._latest is not None:
                 protected.add(self._latest)
             return plan_removals(infos, policy, protected)

@@ -58,10 +58,13 @@ class RootSession:
         self.lock: Lock | None = None
         self.ownership: Ownership | None = None
         self.deleter: Deleter | None = None
-        # Staging names in use by other writers (other nodes' uploads of this run): never leftovers.
+        # Staging names start-up collection keeps: in use by another writer of this run, or kept
+        # on purpose (see :class:`~.tiering.TierSetup`); never leftovers.
         self.keep_staging: Callable[[str], bool] | None = None
         self._claiming = threading.Lock()  # ensure_writer() runs on the caller's and the writer thread
-        self.tolerate_unreachable = False  # a second tier: saves wait for it (see open())
+        # A root that saves wait for (made while they commit elsewhere): what happens while it does
+        # not answer, for the warning; None: such a root is RootUnreachableError (see open()).
+        self.when_unreachable: str | None = None
 
     def open(self) -> None:
         """Claim the root (before any restore), load the view.
@@ -72,9 +75,8 @@ class RootSession:
         interrupted run and starts the deleter. A root this process cannot write is opened for
         reading, with a warning that names the cause; with ``read_only=True`` nothing is
         written, nothing is claimed and nothing is said. A root whose storage does not answer
-        at all is :class:`RootUnreachableError`, unless ``tolerate_unreachable`` (a second tier,
-        which saves wait for): then it opens empty, with a warning, and is claimed at its first
-        write.
+        at all is :class:`RootUnreachableError`, unless ``when_unreachable`` says what happens
+        meanwhile: then it opens empty, with a warning, and is claimed at its first write.
         """
         check_root(self._store, writing=not self.read_only)  # a file, a link, or under a file
         raw = self._store.lock(timeout=self._lock_timeout)
@@ -111,14 +113,9 @@ class RootSession:
             self._store.entry(self.root.key)
             return True
         except ConnectionError as e:
-            if not self.tolerate_unreachable:
+            if self.when_unreachable is None:
                 raise unreachable(self.root, e, doing=f"opening {self.root}") from e
-            logger.warning(
-                "safeckpt: %s cannot be reached now (%s); saves wait on the first tier and go up once it "
-                "answers",
-                self.root,
-                e,
-            )
+            logger.warning("safeckpt: %s cannot be reached now (%s); %s", self.root, e, self.when_unreachable)
             self._view.load([], None, next_seq=0)
             return False
 

@@ -36,10 +36,10 @@ class Triggers:
     """
 
     def __init__(
-        self, parts: Participants, schedule: SaveSchedule | None, signals: PreemptionHandlers
+        self, ranks: Participants, schedule: SaveSchedule | None, signals: PreemptionHandlers
     ) -> None:
         self.schedule = schedule
-        self._parts = parts
+        self._ranks = ranks
         self._signals = signals
         self._last_save = time.monotonic()  # SaveSchedule(every_seconds=...) counts from here
         self._preempted_by: int | None = None
@@ -62,11 +62,11 @@ class Triggers:
         mine = self._signals.take()
         clock = bool(
             timed
-            and self._parts.is_leader
+            and self._ranks.is_leader
             and schedule is not None
             and schedule.due_by_time(time.monotonic() - self._last_save)
         )
-        gathered = self._parts.gather((mine, clock), self._parts.control, what=f"should_save({step})")
+        gathered = self._ranks.gather((mine, clock), self._ranks.control, what=f"should_save({step})")
         received = [(rank, sig) for rank, (sig, _) in enumerate(gathered) if sig is not None]
         if received:
             if self._preempted_by is None:

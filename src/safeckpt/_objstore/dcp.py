@@ -30,6 +30,7 @@ from torch.futures import Future
 from .._format.checksums import FileChecksum, corrupt, crc32
 from .._storage.in_memory import place_archive
 from .._storage.placement import narrow
+from .._storage.reader import for_this_load
 from .._storage.torchsave.shapes import ArchiveShapes
 from .._storage.writer import RawFileSystemWriter
 from .._store.handle_file import HandleFile
@@ -141,11 +142,7 @@ class ObjectDcpReader(FileSystemReader):
         self._shapes = ArchiveShapes()  # data.pkl -> layout, parsed once per distinct one
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = self._metadata()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return for_this_load(self._metadata(), self.load_id)  # type: ignore[no-any-return]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}

@@ -1,6 +1,6 @@
 """``safeckpt upload``: make the local commits of a run with two tiers durable, without training.
 
-What a restarted job does before it trains (:mod:`safeckpt._manager.uploads`), run by hand: a
+What a restarted job does before it trains (:mod:`safeckpt._tiers.uploads`), run by hand: a
 node is being drained, or the job is not coming back. It opens the run as a writer would, so a
 live job that owns either root is refused, and nothing is uploaded twice.
 """
@@ -85,7 +85,7 @@ def upload_local(
         mark = entry.record.uploaded if entry.record is not None else None
         if mark is None:
             waiting.append(entry.step)
-        elif float(mark.get("at", 0.0)) >= started:
+        elif (mark.at or 0.0) >= started:
             uploaded.append(entry.step)
         else:
             earlier.append(entry.step)

@@ -2,9 +2,9 @@
 
 :class:`PosixStore` keeps everything a root needs from a POSIX filesystem:
 ``renameat2(RENAME_EXCHANGE)`` commits, fsyncs of files and directories,
-``O_DIRECT`` writes and reads, ``flock``, regular-file-only opens. importing it
-registers it for local paths (:func:`safeckpt._store.open_store`); :mod:`.local` holds the few file
-operations on paths that are not a root (weights files, an index file).
+``O_DIRECT`` writes and reads, ``flock``, regular-file-only opens (``store``),
+DCP's readers on it (``readers``), and what an ``OSError`` on it means (``errors``).
+Importing it registers it for local paths (:func:`safeckpt._store.open_store`).
 """
 
 from .store import PosixStore

@@ -14,7 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from .._storage.reader import RawFileSystemReader
+from .._storage.reader import RawFileSystemReader, for_this_load
 
 
 class PosixDcpReader(RawFileSystemReader):
@@ -25,11 +25,7 @@ class PosixDcpReader(RawFileSystemReader):
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = self._metadata()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return for_this_load(self._metadata(), self.load_id)  # type: ignore[no-any-return]
 
 
 class PosixDcpOwnReader(PosixDcpReader):

@@ -1,7 +1,9 @@
 """A checkpoint root on a POSIX filesystem: the :class:`~safeckpt._store.Store` on ``_fs``.
 
-Every mutation goes through the root's :class:`~safeckpt._fs.fileops.FileOps`,
-so the fault injection of the tests reaches all of them. Directory commits use
+Every change the fault tests reach goes through the root's
+:class:`~safeckpt._fs.fileops.FileOps` (file writes, renames and exchanges, links,
+tree removals, directory fsyncs); making a directory and removing a single file
+(``remove`` of a record, the owner record) call the OS directly. Directory commits use
 ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it (two renames and a
 displaced copy where it has not: NFS, FUSE); small files are written through a
 temp file, fsync, ``os.replace`` and a directory fsync; DCP's data files go

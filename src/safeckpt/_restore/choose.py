@@ -197,7 +197,7 @@ def read_chosen(
         directory, record = chosen
         try:
             return read(directory, record)
-        except (Exception, CheckpointException) as e:
+        except dcp_io.DCP_ERRORS as e:
             error = as_read_error(e, directory, record)
             fate = fate_of(directory, record)
             if fate is Fate.GONE and not auto:

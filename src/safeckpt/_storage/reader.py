@@ -44,9 +44,20 @@ from .torchsave.reader import _WINDOW, _Archive, _ArchiveShape, _Layout, preadv_
 from .torchsave.shapes import ArchiveShapes
 from .torchsave.writer import _bytes_of, raw_path_available
 
-__all__ = ["RawFileSystemReader"]
+__all__ = ["RawFileSystemReader", "for_this_load"]
 
-_AHEAD = 2  # batches read ahead of the one being checked (each up to read_batch.BATCH_BYTES)
+
+def for_this_load(metadata: Any, load_id: str) -> Any:
+    """DCP's ``.metadata`` (read and checked once by the caller) as a reader returns it to DCP:
+    stamped with this load's id, as DCP's own ``read_metadata`` does."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+_AHEAD = 2  # batches read ahead of the one being checked (each up to batching.BATCH_BYTES)
 
 
 class RawFileSystemReader(FileSystemReader):

@@ -46,31 +46,31 @@ class Nodes:
         return [r for r, n in enumerate(self.node_of) if n == node]
 
 
-def find_nodes(store: Store, parts: Participants, *, read_only: bool) -> Nodes:
-    """Collective: the nodes of ``parts``' ranks, from what each rank sees in its ``local_dir``
+def find_nodes(store: Store, ranks: Participants, *, read_only: bool) -> Nodes:
+    """Collective: the nodes of ``ranks``, from what each rank sees in its ``local_dir``
     (``store``). A reader writes no probe: it is one node (each rank checks its own files).
     A ``local_dir`` a rank cannot write is a :class:`ConfigError` on every rank."""
     if read_only:
-        return Nodes.one(parts.world_size)
+        return Nodes.one(ranks.world_size)
     token = uuid.uuid4().hex[:12]
-    if parts.distributed:
-        token = parts.broadcast(token, parts.control, what="the local_dir probe")
-    mine = _PROBE.format(token=token, rank=parts.rank)
+    if ranks.distributed:
+        token = ranks.broadcast(token, ranks.control, what="the local_dir probe")
+    mine = _PROBE.format(token=token, rank=ranks.rank)
     error: BaseException | None = None
     try:
         store.make_dir("")
         store.write_atomic(mine, mine.encode())
     except OSError as e:
         error = _not_writable(store, e)
-    if not parts.distributed:
+    if not ranks.distributed:
         if error is not None:
             raise error
         with contextlib.suppress(OSError):
             store.remove(mine)
-        return Nodes.one(parts.world_size)
-    parts.agree(error, parts.control, what="writing a probe into local_dir")
-    seen = [_sees(store, _PROBE.format(token=token, rank=r)) for r in range(parts.world_size)]
-    sees = parts.gather(seen, parts.control, what="reading the local_dir probes")
+        return Nodes.one(ranks.world_size)
+    ranks.agree(error, ranks.control, what="writing a probe into local_dir")
+    seen = [_sees(store, _PROBE.format(token=token, rank=r)) for r in range(ranks.world_size)]
+    sees = ranks.gather(seen, ranks.control, what="reading the local_dir probes")
     with contextlib.suppress(OSError):
         store.remove(mine)
     return _grouped(sees, store.where(""))

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from .._format.layout import Layout
 from .._format.record import Record
+from .._root.quarantine import move_into_damaged
+from .._root.removal import to_trash
+from .._root.startup import point_latest_at_newest
 from .._store.base import Lock
 from .._store.loc import Loc
-from .quarantine import move_into_damaged
-from .removal import to_trash
-from .startup import point_latest_at_newest
 
 
 def withdraw_checkpoint(layout: Layout, lock: Lock, step: int, *, held: Loc | None = None) -> bool:
@@ -29,7 +29,7 @@ def withdraw_checkpoint(layout: Layout, lock: Lock, step: int, *, held: Loc | No
 
     A crash in between leaves ``latest`` naming a step that is gone, which the next start
     repairs, or the old copy still held aside, which the next start settles
-    (:func:`safeckpt._manager.node_commits.settle_held`)."""
+    (:func:`safeckpt._tiers.node_commits.settle_held`)."""
     target = layout.step_dir(step)
     put_back = False
     with lock:

@@ -3,7 +3,7 @@
 A local commit is queued here once it is committed. The upload thread copies it
 to the durable root (:class:`~.durable.DurableTier`), and once that commit is
 made it marks the local record as uploaded. Local retention keeps every
-commit whose record is not marked (:meth:`Uploader.held`), so nothing is
+commit whose record is not marked (:meth:`Uploader.kept_for_upload`), so nothing is
 pruned before it is durable, whether or not it reached this queue.
 
 A failed upload (the durable tier unreachable) stays first in the queue and is
@@ -29,8 +29,9 @@ from collections import deque
 from .._format.identity import Fate, fate_of
 from .._format.layout import Layout
 from .._format.record import amend_record, read_record
+from .._format.tier_fields import Upload
+from .._manager.saves import Committed, SaveView
 from .._root.copy import CopyStopped
-from .._root.withdraw import set_aside
 from .._store.base import Lock
 from .._util.failure_log import FailureLog
 from ..errors import (
@@ -41,7 +42,7 @@ from ..errors import (
 from .durable import LOCAL_COPY_BAD, BehindRootError, DurableTier
 from .leader_wait import Heartbeat
 from .node_parts import PartsNotIn
-from .saves import Committed, SaveView
+from .withdraw import set_aside
 
 logger = logging.getLogger("safeckpt.manager")
 
@@ -58,7 +59,7 @@ class Uploader:
     """The queue of local commits to make durable, and the thread that works it.
 
     Call rules: ``submit`` from the local writer thread; ``upload_earlier`` at start-up, before
-    any submit; ``wait``, ``held`` and ``close`` from any thread.
+    any submit; ``wait``, ``kept_for_upload`` and ``close`` from any thread.
     """
 
     def __init__(
@@ -181,7 +182,7 @@ class Uploader:
         """The durable root (rank 0's view of it) has moved on past ``c`` and does not hold it."""
         return self._durable.holds(c.record) is None and self._durable.moved_on(c.record) is not None
 
-    def held(self) -> frozenset[int]:
+    def kept_for_upload(self) -> frozenset[int]:
         """Local steps that local retention keeps: every commit whose record is not marked as
         uploaded, except those that will never be (dropped)."""
         return frozenset(
@@ -410,7 +411,7 @@ class Uploader:
             if current.pinned != durable.record.pinned:  # pinned or unpinned while it went up
                 self._durable.set_pinned(current.step, current.pinned)
             marked = amend_record(
-                local.path, self._local_lock, uploaded={"at": time.time(), "to": str(durable.path.where)}
+                local.path, self._local_lock, uploaded=Upload.local_mark(time.time(), str(durable.path.where))
             )
         self._local_view.update(Committed(local.path, marked))
 

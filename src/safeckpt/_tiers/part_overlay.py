@@ -27,10 +27,10 @@ from .._store.loc import Loc
 from ..errors import CheckpointError
 
 
-def local_part(local: Layout, record: Record) -> tuple[Loc, frozenset[str]] | None:
+def this_nodes_part(local: Layout, record: Record) -> tuple[Loc, frozenset[str]] | None:
     """This node's part of the durable checkpoint ``record`` describes, and the files of it that
     match the durable record (same names and checksums), if this node holds one."""
-    save = (record.uploaded or {}).get("id")
+    save = record.uploaded.save if record.uploaded is not None else None
     if save is None:
         return None
     directory = local.step_dir(record.step)

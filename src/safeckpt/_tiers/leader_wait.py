@@ -27,14 +27,14 @@ class Heartbeat:
     send: Callable[[], None]
 
 
-def on_leader(parts: Participants, work: Callable[[Heartbeat], T], *, what: str) -> T | None:
+def on_leader(ranks: Participants, work: Callable[[Heartbeat], T], *, what: str) -> T | None:
     """Collective: rank 0's ``work(heartbeat)`` result (None on the other ranks, which raise what
     ``work`` raised on rank 0)."""
-    every = max(0.05, min(5.0, parts.timeout / 4))
-    if not parts.distributed:
+    every = max(0.05, min(5.0, ranks.timeout / 4))
+    if not ranks.distributed:
         return work(Heartbeat(every, lambda: None))
-    if not parts.is_leader:
-        while (beat := parts.broadcast(None, parts.control, what=what)) is False:
+    if not ranks.is_leader:
+        while (beat := ranks.broadcast(None, ranks.control, what=what)) is False:
             pass
         _, error = beat
         if error is not None:
@@ -42,9 +42,9 @@ def on_leader(parts: Participants, work: Callable[[Heartbeat], T], *, what: str)
         return None
     error: BaseException | None = None
     try:
-        return work(Heartbeat(every, lambda: parts.broadcast(False, parts.control, what=what)))
+        return work(Heartbeat(every, lambda: ranks.broadcast(False, ranks.control, what=what)))
     except BaseException as e:
         error = e
         raise
     finally:
-        parts.broadcast(("done", portable(error)), parts.control, what=what)
+        ranks.broadcast(("done", portable(error)), ranks.control, what=what)

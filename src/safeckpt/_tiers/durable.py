@@ -22,13 +22,16 @@ import time
 import uuid
 from collections.abc import Callable
 
-from .._dcp.options import IOOptions
-from .._dcp.plans import SavePlans
 from .._dist.participants import Participants
 from .._format import lineage
 from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, RECORD_NAME, REPLACED, Layout, step_dirname
 from .._format.record import Record, amend_record, read_record, same_checkpoint, write_record
+from .._format.tier_fields import Lineage, Upload
+from .._manager.damaged import DamagedCommits
+from .._manager.pruner import Pruner
+from .._manager.saves import Committed, SaveView
+from .._manager.session import RootSession
 from .._policy.retention import Policy, Retention, retention_json
 from .._root.copy import copy_checkpoint
 from .._root.removal import collect_abandoned_staging
@@ -42,21 +45,17 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from .committer import Committer
-from .damaged import DamagedCommits
 from .node_parts import (
     area_of,
     committed_part,
     has_marker,
+    nodes_of,
     of_run,
     put_marker,
     remove_markers,
     wait_committed,
     whole_record,
 )
-from .outcomes import Outcomes
-from .saves import Committed, SaveView
-from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
 
@@ -81,16 +80,15 @@ class DurableTier:
     def __init__(
         self,
         store: Store,
-        parts: Participants,
+        ranks: Participants,
         retention: Retention | Policy,
         *,
         read_only: bool,
         lock_timeout: float,
         retry_interval: float,
-        io: IOOptions,
     ) -> None:
         self.layout = Layout(Loc(store))
-        self._is_leader = parts.is_leader
+        self._is_leader = ranks.is_leader
         self.run = ""  # this run's id, the same on every rank (see node_parts.area_of)
         self.root = self.layout.root.where
         self.identity: str | None = None  # written in the root once (see _format.lineage)
@@ -103,22 +101,10 @@ class DurableTier:
             lock_timeout=lock_timeout,
             retry_interval=retry_interval,
         )
-        self.session.tolerate_unreachable = True  # saves commit locally and wait for it
-        # The durable root's pruning is a manager's: the same rules, held by the same checks.
-        self._pruner = Committer(
-            self.root,
-            retention,
-            parts=parts,
-            plans=SavePlans(),
-            layout=self.layout,
-            view=self.view,
-            pool=None,
-            session=self.session,
-            outcomes=Outcomes(parts, self.view),
-            registration=None,
-            registration_timeout=0.0,
-            io=io,
-        )
+        # saves commit locally and wait for it
+        self.session.when_unreachable = "saves wait on the first tier and go up once it answers"
+        # The durable root's pruning is a manager's: the same rules, kept by the same checks.
+        self._pruner = Pruner(self.root, retention, layout=self.layout, view=self.view, session=self.session)
 
     def open(self) -> None:
         """Rank 0: hold the root as a manager holds its own, and know its identity (written now
@@ -138,7 +124,7 @@ class DurableTier:
         """Another node's leader (which does not hold the root): the root's identity as it is."""
         self.identity = lineage.read_root_id(self.layout.root)
 
-    def stamp(self, tier: str | None) -> dict[str, object]:
+    def stamp(self, tier: str | None) -> Lineage:
         """What a local commit of local directory ``tier`` records of this root now (see
         :mod:`safeckpt._format.lineage`); ``after`` only where this rank holds the root's view."""
         newest = self.newest() if self._is_leader else None
@@ -284,21 +270,21 @@ class DurableTier:
                 seq=self.view.take_seq(),
                 registration=None,
                 retention=retention_json(self._pruner.retention),  # this root's, not the local tier's
-                uploaded={
-                    "at": time.time(),
-                    "from": str(source.where),
-                    # which local directory's commit this is the upload of (see _format.lineage)
-                    "tier": (local.local or {}).get("tier"),
-                    "seq": local.seq,
-                    **({} if parts_of is None else {"id": parts_of.part_id}),
-                },
+                # which local directory's commit this is the upload of (see _format.lineage)
+                uploaded=Upload.durable_copy(
+                    time.time(),
+                    str(source.where),
+                    tier=local.local.tier if local.local is not None else None,
+                    seq=local.seq,
+                    save=None if parts_of is None else parts_of.part_id,
+                ),
                 part=None,
                 local=None,
             )
             try:
                 write_record(staging, durable, lock)
                 if parts_of is not None:
-                    remove_markers(staging, int((parts_of.part or {}).get("nodes", 1)))
+                    remove_markers(staging, nodes_of(parts_of))
                 store.make_dir(self.layout.trash.key)
                 store.commit_dir(
                     staging.key,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 
 from .._format.layout import Layout
+from .._manager.saves import SaveView
+from .._manager.session import RootSession
 from .._root.removal import discard_checkpoint
-from .saves import SaveView
-from .session import RootSession
 
 logger = logging.getLogger("safeckpt.manager")
 

@@ -22,9 +22,9 @@ from .._format import lineage
 from .._format.catalog import scan
 from .._format.layout import Layout
 from .._format.record import Record
+from .._restore.choose import choose_checkpoint
 from .._store.loc import Loc
 from ..errors import CheckpointError, CheckpointNotFoundError
-from .choose import choose_checkpoint
 
 logger = logging.getLogger("safeckpt.manager")
 

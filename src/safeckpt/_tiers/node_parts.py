@@ -54,7 +54,7 @@ def of_run(name: str, run: str) -> bool:
 
 def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:
     """This node's part is in ``area`` (or, with ``lost``, never will be)."""
-    node = (record.part or {}).get("node")
+    node = _node_of(record)
     body = {"node": node, "files": dict(record.files), "checksums": dict(record.checksums or {})}
     if lost is not None:
         body = {"node": node, "lost": lost}
@@ -62,15 +62,23 @@ def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:
 
 
 def has_marker(area: Loc, record: Record) -> bool:
-    node = (record.part or {}).get("node")
-    return (area / _MARKER.format(node=node)).entry() is not None
+    return (area / _MARKER.format(node=_node_of(record))).entry() is not None
+
+
+def _node_of(part: Record) -> int | None:
+    return None if part.part is None else part.part.node
+
+
+def nodes_of(part: Record) -> int:
+    """How many nodes hold a part of the save ``part`` (a node's part record) is a part of."""
+    return (part.part.nodes if part.part is not None else None) or 1
 
 
 def whole_record(area: Loc, record: Record, *, should_stop: Callable[[], bool] | None) -> Record:
     """Rank 0: the save's record over every node's part, once every marker is in ``area`` (waits
     up to a try's length for them). Raises :class:`PartsNotIn` to be tried again, and
     :class:`IncompleteCheckpointError` when a node's part is lost."""
-    nodes = int((record.part or {}).get("nodes", 1))
+    nodes = nodes_of(record)
     deadline = time.monotonic() + _WAIT_PER_TRY
     found: dict[int, dict[str, Any]] = {}  # a marker is written once: read once
     pauses = _pauses()
@@ -114,7 +122,7 @@ def committed_part(layout: Layout, record: Record) -> Record | None:
         found = read_record(layout.step_dir(record.step))
     except (CheckpointError, OSError):
         return None
-    if found is None or (found.uploaded or {}).get("id") != record.part_id:
+    if found is None or found.uploaded is None or found.uploaded.save != record.part_id:
         return None
     return found
 
