@@ -93,6 +93,8 @@ class InvalidSaveError(CheckpointError, ValueError):
 class UnsupportedStateError(CheckpointError, TypeError):
     """A value in the state cannot be saved without pickle, or loaded into what was given."""
 
+    subject: Any = None  # the object whose path in the state the error names, once found
+
 
 class SaveFailedError(CheckpointError):
     """A save failed while being written; nothing of it was committed.

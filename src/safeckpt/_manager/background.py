@@ -212,7 +212,7 @@ def local_part(tensor: Any) -> torch.Tensor:
     return tensor
 
 
-def _fits(buf: Any, tensor: torch.Tensor) -> bool:
+def _fits(buf: Any, tensor: Any) -> bool:  # tensor: a Tensor or a DTensor
     is_dtensor = DTensor is not None and isinstance(tensor, DTensor)
     if is_dtensor != (DTensor is not None and isinstance(buf, DTensor)):
         return False

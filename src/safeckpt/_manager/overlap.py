@@ -300,14 +300,14 @@ def plan_copy(
     for key, source in sources.items():
         local, target = local_part(source).detach(), local_part(targets[key])
         storage = _storage_key(source)
-        what = guard_of.get(storage)
-        if what is None or storage in shared:
+        guard = guard_of.get(storage)
+        if guard is None or storage in shared:
             now.append((target, local))
             continue
-        if what not in groups:
-            groups[what] = _Group(what, [], owners[what])
-        groups[what].copies.append(_Copy(key, local, target, local._version))
-        groups[what].storages.add(storage)
+        if guard not in groups:
+            groups[guard] = _Group(guard, [], owners[guard])
+        groups[guard].copies.append(_Copy(key, local, target, local._version))
+        groups[guard].storages.add(storage)
     # Buffers first: the next forward needs them before the step needs the optimizer's tensors.
     ordered = sorted(groups.values(), key=lambda g: isinstance(g.owners[0], torch.optim.Optimizer))
     return now, ordered

@@ -17,10 +17,10 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import monotonic
 from typing import Any
 
 from .._format.record import Record
@@ -53,7 +53,7 @@ class SaveJob(Flight):
     slot: StagingSlot | None = None
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # this rank committed it in its root (set by the commit itself)
-    submitted: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=monotonic)  # (the field `time` hides the module here)
 
     @functools.cached_property
     def train_state(self) -> bytes:

@@ -355,7 +355,7 @@ def write_export(
                 _write_safetensors(tmp / name, plan, shard, metadata, advance, read_budget)
                 weight_map.update({t.name: name for t in shard})
             index = {"metadata": {"total_size": plan.total_bytes, **metadata}, "weight_map": weight_map}
-            store.write_new((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            store.write_atomic((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
             store.sync(tmp.key)
             # no moment without a whole output: the old folder ends at the temp name, removed below
             store.commit_dir(tmp.key, target.key, displaced=f"{tmp.key}.old", retired=tmp.key)
@@ -388,7 +388,8 @@ def _write_safetensors(
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with path.store.open_write(path.key) as f:
+
+    def write(f: Any) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for group in _groups(tensors, read_budget):
@@ -399,6 +400,8 @@ def _write_safetensors(
                 f.write(memoryview(tensor.view(torch.uint8).numpy()))  # type: ignore[arg-type]
                 del tensor
                 advance(t.nbytes)
+
+    path.store.write_stream(path.key, write)
 
 
 def _groups(tensors: tuple[ExportTensor, ...], budget: int) -> Iterator[list[ExportTensor]]:

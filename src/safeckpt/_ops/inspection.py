@@ -116,7 +116,7 @@ def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str,
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         offset = tuple(index.offset) if index.offset is not None else None
         files[(index.fqn, offset)] = str(getattr(info, "relative_path", ""))
-    table = []
+    table: list[dict[str, Any]] = []
     for fqn, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata):
             table.append({"fqn": fqn, "kind": "bytes", "file": files.get((fqn, None))})

@@ -55,7 +55,7 @@ def load_checkpoint(
     found while reading) leaves part of the state filled.
     """
     # the disk works while this plans
-    done_reading = directory.store.prefetch(
+    done_reading = directory.store.dcp_prefetch(
         directory.key, parts.rank, direct_io=io_options.current().direct_io
     )
     try:

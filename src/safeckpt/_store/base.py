@@ -43,7 +43,6 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 FILE = "file"
@@ -98,18 +97,6 @@ class ReadHandle(Protocol):
     def __exit__(self, *exc: Any) -> None: ...
 
 
-class WriteHandle(Protocol):
-    """A new file being written in order; durable once ``close`` returns (a context manager)."""
-
-    def write(self, data: bytes | memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, *exc: Any) -> None: ...
-
-
 class Lock(Protocol):
     """The root's inter-process lock (a reentrant context manager)."""
 
@@ -137,8 +124,9 @@ class Store(Protocol):
     """How many small reads (records, markers) to have in flight together: 1 where a read is a
     system call, more where each is a network round trip."""
 
-    def where(self, name: str = "") -> Path | str:
-        """``name`` as a person names it (a ``Path`` for a local root), for messages and results."""
+    def where(self, name: str = "") -> str:
+        """``name`` as a person names it (a path for a local root, else a URL), for messages.
+        The public API's results turn it into a ``Path`` for a local root (``_store.loc.shown``)."""
         ...
 
     # --- names ---------------------------------------------------------------
@@ -165,14 +153,10 @@ class Store(Protocol):
 
     def write_atomic(self, name: str, data: bytes) -> None: ...
 
-    def write_new(self, name: str, data: bytes) -> None: ...
-
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """What ``write(file)`` writes, as one file: readers see the old file or the new one,
         whole; durable on return; nothing left behind if ``write`` raises."""
         ...
-
-    def open_write(self, name: str) -> WriteHandle: ...
 
     def read_pointer(self, name: str) -> str | None: ...
 
@@ -196,7 +180,10 @@ class Store(Protocol):
         (checked against the record, through the restricted unpickler), never by the reader."""
         ...
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]: ...
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+        """Start reading ``rank``'s data file of ``directory`` into the page cache (where the store
+        has one) while the restore prepares; the callable says the read is done with."""
+        ...
 
     # --- the root as a whole -------------------------------------------------------
 
