@@ -27,7 +27,7 @@ from .._format.record import Record
 from .._policy.retention import CheckpointInfo, Policy, Retention, explain, plan_removals
 from .._store.loc import Loc
 from ..errors import CheckpointError
-from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
+from .background import COMMITTED, QUEUED, WRITING, SaveState, StagingPool, StagingSlot
 from .ledger import Flight, SaveLedger
 from .overlap import OverlappedCopy
 
@@ -230,7 +230,7 @@ class SaveView:
         """The writer picked ``job`` up: it is cancelled (and leaves the view) or being written."""
         self._jobs.start(job, cancel=cancel)
 
-    def finish(self, job: SaveJob, status: str, error: BaseException | None = None) -> bool:
+    def finish(self, job: SaveJob, status: SaveState, error: BaseException | None = None) -> bool:
         """``job`` left flight as ``status``; an ``error`` is kept until it is raised.
 
         Only the first terminal state counts (a failure while cleaning up after

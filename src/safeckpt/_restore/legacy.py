@@ -41,7 +41,7 @@ def load_legacy(
     caller_state: MutableMapping[Any, Any],
     directory: Loc,
     record: Record,
-    parts: Participants,
+    ranks: Participants,
     entries: Mapping[str, Any],
     *,
     strict: bool,
@@ -50,7 +50,7 @@ def load_legacy(
     """Load a format-1 checkpoint into ``caller_state`` in place; the missing top-level keys.
 
     ``wanted``: which top-level keys to load (``include=``/``exclude=`` apply to
-    top-level keys only here). Collective over ``parts.control`` (agreement,
+    top-level keys only here). Collective over ``ranks.control`` (agreement,
     then ``dcp.load``).
     """
     state = {k: v for k, v in caller_state.items() if wanted((k,))}  # the caller's objects
@@ -87,11 +87,11 @@ def load_legacy(
                 dcp_part[key] = value
     except Exception as e:
         error = e
-    parts.agree(error, parts.control, what=f"matching step {record.step} against the state", step=record.step)
+    ranks.agree(error, ranks.control, what=f"matching step {record.step} against the state", step=record.step)
     logger.info("safeckpt: step %d was written by safeckpt 0.1 (train-state format 1)", record.step)
-    if dcp_part or parts.distributed:
+    if dcp_part or ranks.distributed:
         try:
-            dcp_io.load(dcp_part, directory, parts.control)
+            dcp_io.load(dcp_part, directory, ranks.control)
         except CheckpointException as e:
             storage = cut_off(e, directory, record)  # the storage's failure: never damage
             if storage is not None:
