@@ -1,6 +1,6 @@
 """A training process with two tiers that SIGKILLs itself at one point of saving step 3 (test_tiers.py).
 
-    python tests/tier_worker.py ROOT LOCAL_DIR POINT
+    python tests/support/tier_worker.py ROOT LOCAL_DIR POINT
 
 Saves steps 1, 2, 3 with ``local_dir=`` (each step's tensor filled with the step), waiting for
 each upload before the next save, and dies at ``POINT`` of step 3:
