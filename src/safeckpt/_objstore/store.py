@@ -10,7 +10,7 @@ the contract, and :mod:`.aliases` for how directories live without rename):
   ``final``: the one PUT is the commit.
 * ``move`` of a directory: the claim moved, the old marker deleted, the marker
   written at the new name; of a file: copied, then deleted.
-* ``write_atomic``/``write_new``: one PUT (an object is replaced whole); a
+* ``write_atomic``: one PUT (an object is replaced whole); a
   record of a committed checkpoint keeps its area in the rewritten marker.
 * ``write_pointer``: ``latest``, replacing only the token this store last read
   or wrote, so a second writer's move is an error, never silently undone.
@@ -300,17 +300,11 @@ class ObjectRootStore:
             return
         self.client.put(self.aliases.file_key(name, fresh=True), data)
 
-    def write_new(self, name: str, data: bytes) -> None:
-        self.write_atomic(name, data)
-
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """One upload: the object appears, whole, when it completes; aborted if ``write`` raises."""
-        with self.open_write(name) as stream:
-            write(stream)
-
-    def open_write(self, name: str) -> UploadStream:
         _check(name)
-        return self.upload(self.aliases.file_key(name, fresh=True))
+        with self.upload(self.aliases.file_key(name, fresh=True)) as stream:
+            write(stream)
 
     def upload(self, key: str) -> UploadStream:
         return UploadStream(
@@ -376,7 +370,7 @@ class ObjectRootStore:
             self, base.rstrip("/"), checksums=checksums, step=step, metadata=metadata, directory=directory
         )
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
         return _nothing  # reads are ranged GETs in parallel already; no page cache to warm
 
     # --- the root as a whole -------------------------------------------------------
