@@ -27,11 +27,13 @@ class KillAtOps(FileOps):
         self.no_exchange = no_exchange
         self.log_fd = log_fd
         self.count = 0
+        self.names: list[str] = []  # each operation's kind, in order (for choosing kill points)
         self._lock = threading.Lock()
 
-    def _tick(self) -> None:
+    def _tick(self, name: str = "") -> None:
         with self._lock:
             self.count += 1
+            self.names.append(name)
             if self.count == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -45,7 +47,7 @@ class KillAtOps(FileOps):
         super().fsync_dir(path)
 
     def replace(self, src: Path, dst: Path) -> None:
-        self._tick()
+        self._tick("replace")
         super().replace(src, dst)
         self._log_commit(src, dst)
 
@@ -63,12 +65,16 @@ class KillAtOps(FileOps):
         super().exchange(a, b)
         self._log_commit(a, b)
 
+    def link(self, src: Path, dst: Path) -> None:
+        self._tick("link")
+        super().link(src, dst)
+
     def symlink(self, target: str, link: Path) -> None:
         self._tick()
         super().symlink(target, link)
 
     def rmtree(self, path: Path) -> None:
-        self._tick()
+        self._tick("rmtree")
         super().rmtree(path)
 
 

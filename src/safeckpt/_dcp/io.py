@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from .._format.checksums import FileChecksum
+from .._format.contents import FileContents
 from .._format.record import Record, read_record
 from .._store.base import ItemInfos
 from .._store.loc import Loc, as_loc
@@ -199,26 +200,37 @@ def _group_or_none(group: dist.ProcessGroup | None) -> dict[str, Any]:
     return {"process_group": group}
 
 
+class Written(NamedTuple):
+    """What :func:`save` wrote."""
+
+    checksums: dict[str, FileChecksum | None]
+    """Each data file of the save by name (every rank's, as the checkpoint's ``.metadata`` places
+    its items), with the CRC32 segments of those this rank could checksum as it wrote them (or
+    took from the file it shared), else None (DCP's own writer, another rank's file)."""
+    contents: dict[str, FileContents]
+    """This rank's data files of untrained tensors, by item digest (see ``_format.contents``)."""
+
+
 def save(
     state_dict: Mapping[str, Any],
     directory: Loc | str | os.PathLike[str],
     group: dist.ProcessGroup | None,
     *,
     plans: SavePlans | None = None,
-) -> dict[str, FileChecksum | None]:
+    reuse: Any = None,
+) -> Written:
     """Write ``state_dict`` with DCP into ``directory``; every file fsynced.
 
     Collective over ``group`` (every rank of it calls this with the same
     directory). ``plans``: the plans of earlier saves of the same caller, reused
-    where nothing changed. Returns each data file of the save by name (every
-    rank's, as the checkpoint's ``.metadata`` places its items), with the CRC32
-    segments of those this rank could checksum as it wrote them, else None (DCP's
-    own writer, another rank's file): the caller checksums what is missing.
+    where nothing changed. ``reuse``: the untrained tensors and the previous
+    commit's files of them (``safeckpt._storage.reuse.Reuse``), to share what is
+    unchanged. The caller checksums what :attr:`Written.checksums` lacks.
     """
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     directory = as_loc(directory)
     writer = directory.store.dcp_writer(
-        directory.key, direct_io=options.current().direct_io, dcp_own=_torch_io()
+        directory.key, direct_io=options.current().direct_io, dcp_own=_torch_io(), reuse=reuse
     )
     planner = None if plans is None else plans.planner()
     try:
@@ -236,7 +248,7 @@ def save(
     # listing can lag another client's new file (NFS), whichever writer wrote it.
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         written.setdefault(info.relative_path, None)
-    return written
+    return Written(written, dict(getattr(writer, "contents", {})))
 
 
 def load(

@@ -24,6 +24,7 @@ from .._store.loc import Loc, as_loc
 from .._version import __version__
 from ..errors import IncompleteCheckpointError, InvalidSaveError, NewerFormatError, UnsafeCheckpointError
 from . import kept
+from .contents import FileContents, contents_from_json, contents_to_json
 from .layout import RECORD_NAME
 from .tier_fields import Lineage, Part, Upload
 
@@ -66,6 +67,9 @@ class Record:
     local: Lineage | None = None
     """With two tiers, on a local commit: the durable root it follows (see :mod:`.lineage`). None
     on the durable copy."""
+    contents: Mapping[str, FileContents] | None = None
+    """Per data file of untrained tensors, its items by content digest and, for a file shared
+    with an earlier checkpoint instead of written, where from (see :mod:`.contents`)."""
 
     @property
     def part_id(self) -> str | None:
@@ -90,10 +94,11 @@ class Record:
             "retention": None if self.retention is None else dict(self.retention),
             "library_version": self.library_version,
             "torch_version": self.torch_version,
-            "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
             **({} if self.uploaded is None else {"uploaded": self.uploaded.to_json()}),
             **({} if self.part is None else {"part": self.part.to_json()}),
             **({} if self.local is None else {"local": self.local.to_json()}),
+            **({} if self.contents is None else {"contents": contents_to_json(self.contents)}),
+            "checksums": None if self.checksums is None else dict(sorted(self.checksums.items())),
         }
 
     @classmethod
@@ -150,6 +155,7 @@ class Record:
                 uploaded=_optional(Upload, data.get("uploaded")),
                 part=_optional(Part, data.get("part")),
                 local=_optional(Lineage, data.get("local")),
+                contents=contents_from_json(data.get("contents"), files),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise IncompleteCheckpointError(
@@ -280,17 +286,18 @@ def _int(value: Any) -> int:
 
 
 def encode(record: Record) -> bytes:
-    """The record as JSON, indented for a reader, but for the checksums: a row per item, 10^4 of them
-    for a state of small tensors, written compact by the C encoder. The indenting encoder is pure
-    Python (several times slower) and holds the GIL while training runs."""
+    """The record as JSON, indented for a reader, but for the checksums and contents: a row per item,
+    10^4 of them for a state of small tensors, written compact by the C encoder. The indenting
+    encoder is pure Python (several times slower) and holds the GIL while training runs."""
     data = record.to_json()
-    checksums = data.get("checksums")
-    if not checksums or list(data)[-1] != "checksums":
+    compact = {k: data.pop(k) for k in ("contents", "checksums") if data.get(k)}
+    if not compact:
         return (json.dumps(data, indent=2, allow_nan=False) + "\n").encode()
-    del data["checksums"]
     head = json.dumps(data, indent=2, allow_nan=False)  # "{\n  ...\n}": the same object, continued
-    rows = json.dumps(checksums, separators=(",", ":"), allow_nan=False)
-    return f'{head[:-2]},\n  "checksums": {rows}\n}}\n'.encode()
+    rows = "".join(
+        f',\n  "{k}": {json.dumps(v, separators=(",", ":"), allow_nan=False)}' for k, v in compact.items()
+    )
+    return f"{head[:-2]}{rows}\n}}\n".encode()
 
 
 def read_record(checkpoint_dir: Loc | str | os.PathLike[str], *, step: int | None = None) -> Record | None:

@@ -83,6 +83,14 @@ class FileOps:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(a), None, str(b))
 
+    def link(self, src: Path, dst: Path) -> None:
+        """Make ``dst`` a hard link of the existing file ``src`` (one inode, two names); no fsync.
+
+        Raises ``OSError`` where the filesystem has no hard links (EPERM, ENOTSUP), across
+        filesystems (EXDEV) or past its link count (EMLINK); the caller writes the file instead.
+        """
+        os.link(src, dst, follow_symlinks=False)
+
     def symlink(self, target: str, link: Path) -> None:
         """Create symlink ``link`` pointing at ``target`` (relative text)."""
         os.symlink(target, link)

@@ -39,8 +39,10 @@ from .._dist.failures import save_failed
 from .._dist.participants import Participants
 from .._dist.participants import portable as _portable
 from .._format.checksums import FileChecksum, checksum_file
+from .._format.contents import contents_from_json
 from .._format.layout import PRUNED, REPLACED, Layout, step_dirname
 from .._format.record import Record, list_files, read_record, write_record
+from .._format.sharing import Reuse
 from .._policy.retention import Policy, Retention, retention_json
 from .._registration.worker import CommitInfo, RegistrationWorker, is_best
 from .._root.removal import Deleter, collect_abandoned_staging
@@ -212,6 +214,7 @@ class Committer:
         started = time.monotonic()
         error: BaseException | None = None
         sums: dict[str, Any] = {}
+        contents: dict[str, Any] = {}
         prints: dict[str, int] = {}
         try:
             if job.pending is not None:  # overlap_staging: the copy into the slot, finished
@@ -221,11 +224,16 @@ class Committer:
             self._store.make_dir(job.staging_dir.key)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(
-                nest_for_dcp(job.dcp_state), job.staging_dir, ranks.writer, plans=self._plans
+                nest_for_dcp(job.dcp_state),
+                job.staging_dir,
+                ranks.writer,
+                plans=self._plans,
+                reuse=self._reuse(job),
             )
             train_name = train_state_filename(ranks.rank)
             self._store.write_atomic((job.staging_dir / train_name).key, job.train_state)
-            sums = {name: None if c is None else c.to_json() for name, c in written.items()}
+            sums = {name: None if c is None else c.to_json() for name, c in written.checksums.items()}
+            contents = {name: c.to_json() for name, c in written.contents.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
             if job.pending is not None and job.pending.error is not None:
                 raise job.pending.error  # after the collective write: every rank learns it next
@@ -235,15 +243,15 @@ class Committer:
             job.release_staging(self._pool)
         written_at = time.monotonic()
         gathered = ranks.gather(
-            (_portable(error), sums, prints), ranks.writer, what=f"writing step {job.step}"
+            (_portable(error), sums, prints, contents), ranks.writer, what=f"writing step {job.step}"
         )
-        failed = {rank: e for rank, (e, _, _) in enumerate(gathered) if e is not None}
+        failed = {rank: e for rank, (e, _, _, _) in enumerate(gathered) if e is not None}
         commit_error: BaseException | None = None
         if not failed and self._commits_here:
             if ranks.is_leader:
-                self._warn_diverging(job.step, [p for _, _, p in gathered])
+                self._warn_diverging(job.step, [p for _, _, p, _ in gathered])
             try:
-                self._commit(job, self._checksums_here(gathered))
+                self._commit(job, self._checksums_here(gathered), self._contents_here(gathered))
             except Exception as e:
                 commit_error = e
         commit_errors = ranks.gather(
@@ -273,14 +281,43 @@ class Committer:
                 )
         self._outcomes.share_view(ranks.writer, what=f"the checkpoints after step {job.step}")
 
-    def _checksums_here(self, gathered: list[tuple[Any, dict[str, Any], Any]]) -> dict[str, Any]:
+    def _reuse(self, job: SaveJob) -> Reuse | None:
+        """What this rank's writer needs to share untrained tensors' unchanged files with the
+        previous commit of this root (None when nothing is untrained: every tensor is written)."""
+        if not job.untrained:
+            return None
+        latest = self._view.latest
+        entry = self._view.get(latest) if latest is not None else None
+        record = entry.record if entry is not None else None
+        if entry is None or record is None or record.contents is None:
+            return Reuse(job.untrained)
+        prefix = f"__{self._ranks.rank}_"  # this rank's own files (DCP names them so)
+        mine = {n: c for n, c in record.contents.items() if n.startswith(prefix)}
+        return Reuse.of(
+            job.untrained,
+            earlier_dir=entry.path.key,
+            earlier_name=entry.path.name,
+            files=record.files,
+            contents=mine,
+            checksums=record.checksums,
+        )
+
+    def _contents_here(self, gathered: list[tuple[Any, Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+        """The ``contents`` of the files of this root's ranks (see :meth:`_checksums_here`)."""
+        found: dict[str, Any] = {}
+        for rank, (_, _, _, theirs) in enumerate(gathered):
+            if rank in self._sharing:
+                found.update(theirs)
+        return found
+
+    def _checksums_here(self, gathered: list[tuple[Any, dict[str, Any], Any, Any]]) -> dict[str, Any]:
         """Each file of this root by name, with its writer's checksums where known: the files of the
         ranks that share this root (every rank's, on one shared root)."""
         # A rank names every file of the save, with checksums for those it wrote: on a root that
         # some ranks share, only those are its.
         every_file = len(self._sharing) == self._ranks.world_size
         checksums: dict[str, Any] = {}
-        for rank, (_, theirs, _) in enumerate(gathered):
+        for rank, (_, theirs, _, _) in enumerate(gathered):
             if rank in self._sharing:
                 checksums.update(
                     (n, c) for n, c in theirs.items() if c is not None or (every_file and n not in checksums)
@@ -319,7 +356,7 @@ class Committer:
                 "cleaning up", "could not clean up a failed save (%s): %s", staging_dir.name, e
             )
 
-    def _commit(self, job: SaveJob, checksums: Mapping[str, Any]) -> None:
+    def _commit(self, job: SaveJob, checksums: Mapping[str, Any], contents: Mapping[str, Any]) -> None:
         """Rank 0 (the lowest rank sharing this root), under the sidecar lock: record, then the
         rename into place, then ``latest``.
 
@@ -363,6 +400,7 @@ class Committer:
                 retention=retention_json(self.retention),
                 checksums=sums,
                 seq=self._view.take_seq(),
+                contents=contents_from_json(contents, files) if contents else None,
             )
             tiered = self._tiers.commit(job, record)  # the record as the tiers stamp it
             record = tiered.record

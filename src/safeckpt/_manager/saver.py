@@ -16,6 +16,7 @@ from typing import Any
 from .._dist.participants import Participants
 from .._format.layout import Layout
 from .._format.record import check_json_value, clean_metrics
+from .._state.untrained import untrained_keys
 from .._state.walk import StateCache, capture
 from .._util.gc_pause import collector_paused
 from .._util.validate import int_or_none, validate_step
@@ -127,6 +128,7 @@ class Saver:
                     cause=e,
                 ) from e
             job = self._new_job(step, captured.encode_train_state, clean, dict(extra or {}))
+            job.untrained = untrained_keys(captured)
             if self._pool is not None:
                 job.slot = self._acquire_slot(step)
                 with collector_paused():

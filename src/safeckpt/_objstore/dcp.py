@@ -96,9 +96,16 @@ class ObjectFileSystem(FileSystemBase):
 
 
 class _RawWriter(RawFileSystemWriter):
-    def __init__(self, store: Any, base: str) -> None:
+    def __init__(self, store: Any, base: str, reuse: Any = None) -> None:
         # sync_files off: an object is durable once its upload completes (no fsync, no os.sync()).
-        super().__init__(base, direct_io=False, sync_files=False, single_file_per_rank=True, thread_count=1)
+        super().__init__(
+            base,
+            direct_io=False,
+            reuse=reuse,
+            sync_files=False,
+            single_file_per_rank=True,
+            thread_count=1,
+        )
         self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
         self._objects = store
         self.path = base
@@ -114,9 +121,10 @@ class _TorchWriter(FileSystemWriter):
         self.path = base
 
 
-def writer(store: Any, base: str, *, dcp_own: bool) -> Any:
-    """DCP's storage writer for the directory at key prefix ``base``."""
-    return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base)
+def writer(store: Any, base: str, *, dcp_own: bool, reuse: Any = None) -> Any:
+    """DCP's storage writer for the directory at key prefix ``base``; ``reuse``: see
+    :class:`safeckpt._storage.reuse.Reuse` (untrained tensors in files of their own)."""
+    return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base, reuse)
 
 
 class ObjectDcpReader(FileSystemReader):

@@ -345,12 +345,12 @@ class ObjectRootStore:
 
     # --- checkpoints' bytes (DCP) ------------------------------------------------
 
-    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any:
+    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool, reuse: Any = None) -> Any:
         from .dcp import writer
 
         del direct_io
         base, _ = self.aliases.dir_key(directory)
-        return writer(self, base.rstrip("/"), dcp_own=dcp_own)
+        return writer(self, base.rstrip("/"), dcp_own=dcp_own, reuse=reuse)
 
     def dcp_reader(
         self,

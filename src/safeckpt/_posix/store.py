@@ -127,7 +127,7 @@ class PosixStore:
 
     # --- checkpoints' bytes (DCP) ------------------------------------------------
 
-    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any:
+    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool, reuse: Any = None) -> Any:
         # torch and DCP only here and in the reads below: opening a root (`safeckpt ls`) needs neither
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -136,7 +136,37 @@ class PosixStore:
         options: dict[str, Any] = dict(sync_files=True, single_file_per_rank=True, thread_count=1)
         if dcp_own:
             return FileSystemWriter(self.path(directory), **options)
-        return RawFileSystemWriter(self.path(directory), direct_io=direct_io, **options)
+        earlier = None if reuse is None else reuse.earlier_dir
+
+        def share(file: Any) -> bool:
+            assert earlier is not None
+            return self._hard_link(f"{earlier}/{file.name}", f"{directory}/{file.name}", file.size)
+
+        return RawFileSystemWriter(
+            self.path(directory),
+            direct_io=direct_io,
+            reuse=reuse,
+            share=share if earlier is not None else None,
+            **options,
+        )
+
+    def _hard_link(self, src: str, dst: str, size: int) -> bool:
+        """Make ``dst`` another name of the earlier checkpoint's file ``src`` (of ``size`` bytes);
+        False where that cannot be (gone, another size, no hard links here): the caller writes it.
+
+        The new name becomes durable with the directory fsync of the record's write, before the
+        commit; the bytes are durable since the earlier commit. A hard link keeps each checkpoint
+        whole: removing one name never takes the bytes another one has.
+        """
+        source = self.path(src)
+        try:
+            info = os.lstat(source)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                return False
+            self.ops.link(source, self.path(dst))
+        except OSError:
+            return False
+        return True
 
     def dcp_reader(
         self,

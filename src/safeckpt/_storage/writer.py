@@ -39,10 +39,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._format.checksums import FileChecksum
+from .._format.contents import FileContents, ItemDigest
 from .._format.layout import DATA_SUFFIX
 from .._fs.direct_write import DirectFileWriter
+from .content_digest import as_archived, digest
 from .prefetch import prefetch
 from .reader import RawFileSystemReader
+from .reuse import EarlierFile, Grouping, Index, Reuse, group
 from .torchsave.writer import _ArchiveWriter, _StorageInfo, _StoragePrefix, raw_path_available
 from .torchsave.zipformat import _ChecksummedStream
 
@@ -65,25 +68,53 @@ class RawFileSystemWriter(FileSystemWriter):
 
     """
 
-    def __init__(self, *args: Any, direct_io: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        direct_io: bool = True,
+        reuse: Reuse | None = None,
+        share: Callable[[EarlierFile], bool] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``reuse``: the untrained tensors, grouped into files of their own, and the previous
+        commit's files of them; ``share(file)`` makes such a file part of this checkpoint without
+        writing it (the store's way: a hard link), and says whether it could (see :mod:`.reuse`)."""
         super().__init__(*args, **kwargs)
         self._direct_io = direct_io  # O_DIRECT for the data files where the filesystem takes it
+        self._reuse = reuse
+        self._share = share
         self.checksums: dict[str, FileChecksum] = {}
         """CRC32 segments of each file this rank wrote (one per item), for the record."""
+        self.contents: dict[str, FileContents] = {}
+        """Each data file of untrained tensors this rank wrote or shared, by item digest."""
+        self._digests: dict[Index, str] = {}
         self._checksums_lock = threading.Lock()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._fast_path_usable():
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
+        untrained, trained = self._untrained(plan.items)
         if self.single_file_per_rank:
-            buckets = _split(plan.items, max(1, self.thread_count))
+            buckets = _split(trained, max(1, self.thread_count))
         else:
-            buckets = [[item] for item in plan.items]
-        jobs: queue.Queue[tuple[str, list[WriteItem]]] = queue.Queue()
-        for i, bucket in enumerate(buckets):
-            jobs.put((f"{prefix}{i}{DATA_SUFFIX}", bucket))
+            buckets = [[item] for item in trained]
+        names = [f"{prefix}{i}{DATA_SUFFIX}" for i in range(len(buckets))]
         results: list[WriteResult] = []
+        files = list(zip(names, buckets, strict=True))
+        if untrained:
+            grouping = self._group_untrained(untrained, planner, set(names))
+            for earlier, items in grouping.shared:
+                results.extend(_shared_results(earlier, items))
+            n = len(buckets)
+            for items in grouping.written:
+                while f"{prefix}{n}{DATA_SUFFIX}" in self.contents:  # a shared file's name
+                    n += 1
+                files.append((f"{prefix}{n}{DATA_SUFFIX}", items))
+                n += 1
+        jobs: queue.Queue[tuple[str, list[WriteItem]]] = queue.Queue()
+        for job in files:
+            jobs.put(job)
         errors: list[BaseException] = []
         lock = threading.Lock()
 
@@ -102,12 +133,39 @@ class RawFileSystemWriter(FileSystemWriter):
                 with lock:
                     results.extend(written)
 
-        _run_threads(work, min(max(1, self.thread_count), len(buckets)))
+        if files:
+            _run_threads(work, min(max(1, self.thread_count), len(files)))
         if errors:
             raise errors[0]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _untrained(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
+        """The items of tensors nothing trains (grouped apart, see :mod:`.reuse`), and the rest."""
+        keys = self._reuse.untrained if self._reuse is not None else frozenset()
+        if not keys:
+            return [], list(items)
+        untrained = [i for i in items if i.type != WriteItemType.BYTE_IO and i.index.fqn in keys]
+        chosen = {id(i) for i in untrained}
+        return untrained, [i for i in items if id(i) not in chosen]
+
+    def _group_untrained(self, items: list[WriteItem], planner: SavePlanner, names: set[str]) -> Grouping:
+        """Digest the untrained items (on this thread, from the staged copy), share the earlier
+        files that hold exactly these bytes, and group the rest into files to write."""
+        assert self._reuse is not None
+        self._digests = {_index(i): digest(cast(torch.Tensor, planner.resolve_data(i))) for i in items}
+        share = self._share
+
+        def shared(earlier: EarlierFile) -> bool:
+            if share is None or earlier.name in names or not share(earlier):
+                return False
+            with self._checksums_lock:
+                self.checksums[earlier.name] = earlier.checksum
+                self.contents[earlier.name] = FileContents(earlier.contents.items, earlier.origin)
+            return True
+
+        return group(items, self._digests, self._reuse.earlier, share=shared, index=_index)
 
     def _fast_path_usable(self) -> bool:
         if not raw_path_available() or _StoragePrefix is None:
@@ -136,6 +194,11 @@ class RawFileSystemWriter(FileSystemWriter):
             stream.close(fsync=self.sync_files)
         with self._checksums_lock:
             self.checksums[file_name] = checked.recorder.result()
+            if self._reuse is not None and items and all(_index(i) in self._digests for i in items):
+                ordered = sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+                self.contents[file_name] = FileContents(
+                    tuple(ItemDigest(*_index(i), self._digests[_index(i)]) for i in ordered)
+                )
         return results
 
 
@@ -146,9 +209,7 @@ def _write_item(
     if item.type == WriteItemType.BYTE_IO:
         stream.write(data.getbuffer())
     else:
-        tensor = data.detach().cpu()
-        if tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.clone()  # as DCP does: never save the rest of a larger storage
+        tensor = as_archived(data)  # as DCP does: never save the rest of a larger storage
         if tensor.nbytes >= _ZIP32_LIMIT:
             torch.save(tensor, cast(IO[bytes], stream))  # torch calls only write and flush on it
         else:
@@ -158,6 +219,23 @@ def _write_item(
     return WriteResult(
         index=item.index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length)
     )
+
+
+def _index(item: WriteItem) -> Index:
+    return item.index.fqn, tuple(item.index.offset or ())
+
+
+def _shared_results(earlier: EarlierFile, items: list[WriteItem]) -> list[WriteResult]:
+    """Where each item is in a shared file: where the earlier checkpoint wrote it."""
+    assert _StorageInfo is not None
+    return [
+        WriteResult(
+            index=item.index,
+            size_in_bytes=segment.length,
+            storage_data=_StorageInfo(earlier.name, segment.offset, segment.length),
+        )
+        for item, segment in zip(items, earlier.checksum.segments, strict=True)
+    ]
 
 
 def _split(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:

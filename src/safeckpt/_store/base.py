@@ -164,7 +164,12 @@ class Store(Protocol):
 
     # --- checkpoints' bytes (DCP) ------------------------------------------------
 
-    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool) -> Any: ...
+    def dcp_writer(self, directory: str, *, direct_io: bool, dcp_own: bool, reuse: Any = None) -> Any:
+        """DCP's writer of ``directory``. ``reuse`` (a :class:`safeckpt._storage.reuse.Reuse`, or
+        None): write the untrained tensors into files of their own, and make an earlier
+        checkpoint's file of them part of this one, unwritten, where every item is unchanged; the
+        writer's ``contents`` then say which (see ``docs/format.md``)."""
+        ...
 
     def dcp_reader(
         self,
