@@ -66,7 +66,8 @@ def main() -> int:
         target.copy_(tensor)
         times.append(time.perf_counter() - start)
     rows.append(("memcpy (torch copy_, for scale)", tensor.nbytes / statistics.median(times) / 1e9))
-    print(f"Produced by `.venv/bin/python benchmarks/bench_digest.py` over {args.mib} MiB, median of {args.reps}.")
+    command = "`.venv/bin/python benchmarks/bench_digest.py`"
+    print(f"Produced by {command} over {args.mib} MiB, median of {args.reps}.")
     print()
     print("| implementation | GB/s |")
     print("|---|---|")
