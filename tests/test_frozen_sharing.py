@@ -294,3 +294,27 @@ def test_kill_ops_count_links(tmp_path: Path) -> None:
     (tmp_path / "a").write_bytes(b"x")
     ops.link(tmp_path / "a", tmp_path / "b")
     assert ops.names == ["link"] and (tmp_path / "b").read_bytes() == b"x"
+
+
+def test_ls_and_inspect_show_own_and_shared_bytes_and_a_du_total(root: Path, capsys: Any) -> None:
+    from safeckpt._ops.inspection import inspect_checkpoint
+    from safeckpt.cli import main
+    from safeckpt.cli.ls import listing
+
+    model, optim, state = build()
+    with CheckpointManager(root, async_save=False, retention=Retention(keep_last=5)) as mgr:
+        for step in (1, 2, 3):
+            train_step(model, optim)
+            mgr.save(step, state)
+    data = listing(root)
+    by_step = {c["step"]: c for c in data["checkpoints"]}
+    frozen = os.stat(root / "step_1" / "__0_1.distcp").st_size
+    assert [by_step[s]["shared_bytes"] for s in (1, 2, 3)] == [0, frozen, frozen]
+    assert all(c["own_bytes"] + c["shared_bytes"] == c["size"] for c in by_step.values())
+    # du counts the hard-linked file once
+    du = sum(os.stat(p).st_size for p in {os.stat(f).st_ino: f for f in root.glob("step_*/*")}.values())
+    records = sum((root / f"step_{s}" / "metadata.json").stat().st_size for s in (1, 2, 3))
+    assert data["total_bytes"] == du - records  # the records are not counted in any size
+    assert inspect_checkpoint(root, 3)["shared_from"] == ["step_1"]
+    assert main(["inspect", str(root), "3"]) == 0
+    assert "shared:" in capsys.readouterr().out

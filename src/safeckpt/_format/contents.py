@@ -97,3 +97,11 @@ def contents_from_json(data: Any, files: Mapping[str, int]) -> dict[str, FileCon
 def shared_files(contents: Mapping[str, FileContents] | None) -> dict[str, str]:
     """The files a save took from an earlier one instead of writing them, with where from."""
     return {n: c.shared_from for n, c in (contents or {}).items() if c.shared_from is not None}
+
+
+def written_here(contents: Mapping[str, FileContents] | None) -> dict[str, FileContents] | None:
+    """``contents`` of a copy that holds every file itself (an upload to another root, an export):
+    nothing shared from an earlier checkpoint of that root."""
+    if contents is None:
+        return None
+    return {n: FileContents(c.items) for n, c in contents.items()}

@@ -302,6 +302,20 @@ class Committer:
             checksums=record.checksums,
         )
 
+    def _shared_sizes(self, contents: Mapping[str, Any], listed: Mapping[str, int]) -> dict[str, int]:
+        """The files this save shares with the previous commit and that are not in its directory (on
+        an object store they stay in the area that wrote them): their sizes, as that record says."""
+        latest = self._view.latest
+        entry = self._view.get(latest) if latest is not None else None
+        earlier = entry.record if entry is not None else None
+        if earlier is None:
+            return {}
+        return {
+            name: earlier.files[name]
+            for name, c in contents.items()
+            if isinstance(c, dict) and c.get("from") and name not in listed and name in earlier.files
+        }
+
     def _contents_here(self, gathered: list[tuple[Any, Any, Any, dict[str, Any]]]) -> dict[str, Any]:
         """The ``contents`` of the files of this root's ranks (see :meth:`_checksums_here`)."""
         found: dict[str, Any] = {}
@@ -368,6 +382,7 @@ class Committer:
         assert self._lock is not None
         layout = self._layout
         files = list_files(job.staging_dir)
+        files.update(self._shared_sizes(contents, files))
         for name in sorted(set(checksums) - set(files)):  # a listing can lag another client's file (NFS)
             entry = (job.staging_dir / name).entry()
             if entry is not None and entry.kind == FILE:

@@ -21,11 +21,22 @@ old marker's deletion and the new one's write belongs to no name; it is shown
 again, and collected. No two names share an area (a move deletes the old marker
 before it writes the new one); one written by hand beside the claim's owner is
 removed without the bytes the owner holds.
+
+An area can also be *used* by a later checkpoint: a save that shares an earlier
+checkpoint's data file of unchanged tensors names, in its record's ``contents``,
+the area that holds the file instead of uploading it again, and its commit
+object lists those areas (``safeckpt-uses``). Before the commit object is
+written, the new name is added to each used area's claim; an area then counts as
+held while any name its claim names points at it or uses it, so pruning,
+start-up collection and ``safeckpt gc`` delete it only after the last checkpoint
+that reads it is gone (see ``docs/format.md``, "Bytes shared between checkpoints").
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
@@ -36,6 +47,7 @@ from .client import NotFound, ObjectClient
 from .spread import Spread
 
 AREA = "safeckpt-area"  # the marker's user metadata (x-amz-meta-safeckpt-area): the area's name
+USES = "safeckpt-uses"  # a commit object's: the earlier areas whose data files its record names
 DIR_MARK = ".dir"
 CLAIMS = ".claims"
 MARKERS = (RECORD_NAME, DIR_MARK)
@@ -48,6 +60,34 @@ class Alias:
     """``metadata.json`` or ``.dir``: which marker object names the area."""
     size: int
     """The marker's size (the record's, for a committed checkpoint)."""
+    uses: tuple[str, ...] = ()
+    """The earlier areas holding data files this checkpoint shares (its record names them)."""
+
+    @classmethod
+    def of(cls, metadata: Mapping[str, str], marker: str, size: int) -> Alias:
+        """From a marker's user metadata (its ``AREA``, and ``USES`` where it shares files)."""
+        uses = tuple(a for a in metadata.get(USES, "").split(",") if a)
+        return cls(metadata[AREA], marker, size, uses)
+
+
+def uses_metadata(uses: tuple[str, ...]) -> dict[str, str]:
+    return {USES: ",".join(uses)} if uses else {}
+
+
+def shared_in_record(data: bytes) -> dict[str, tuple[str, int]]:
+    """The data files a record takes from earlier areas: name -> (area, size), from its
+    ``contents`` (``from``) and ``files``; empty for a record that shares nothing."""
+    try:
+        record = json.loads(data)
+        contents, files = record.get("contents") or {}, record.get("files") or {}
+        out = {}
+        for name, entry in contents.items():
+            area = entry.get("from") if isinstance(entry, dict) else None
+            if isinstance(area, str) and area and isinstance(files.get(name), int):
+                out[name] = (area, files[name])
+        return out
+    except (ValueError, AttributeError, TypeError):
+        return {}  # not a record safeckpt reads: its files are looked for in its own area
 
 
 class Aliases:
@@ -59,6 +99,7 @@ class Aliases:
         self.spread = Spread(prefix)
         self._known: dict[str, Alias] = {}  # found since: a reader holds a record before its bytes
         self._plain: set[str] = set()  # made here as plain directories: never an alias (no HEADs)
+        self._shared: dict[tuple[str, str], dict[str, tuple[str, int]]] = {}  # (name, area) -> shared
 
     def key(self, name: str) -> str:
         return self._prefix + name
@@ -74,10 +115,9 @@ class Aliases:
                 head = self._client.head(self.key(join(name, marker)))
             except NotFound:
                 continue
-            area = head.metadata.get(AREA)
-            if not area:
+            if not head.metadata.get(AREA):
                 break  # a record written into a plain directory (a save not committed yet)
-            found = self._known[name] = Alias(area, marker, head.size)
+            found = self._known[name] = Alias.of(head.metadata, marker, head.size)
             return found
         self._known.pop(name, None)
         return None
@@ -113,6 +153,8 @@ class Aliases:
                 rest = "/".join(parts[i:])
                 if rest == alias.marker:
                     return self.key(name)
+                if alias.uses and rest in (shared := self.shared(directory, alias)):
+                    return self.spread.key(self.key(join(shared[rest][0], rest)))
                 return self.spread.key(self.key(join(alias.area, rest)))
         return self.spread.key(self.key(name))
 
@@ -129,27 +171,67 @@ class Aliases:
             return base + leaf + "/", None
         return self.key(name) + "/", None
 
+    def shared(self, name: str, alias: Alias) -> dict[str, tuple[str, int]]:
+        """The data files checkpoint ``name`` (``alias``) reads from earlier areas: file -> (area,
+        size), from its record (read once per name and area)."""
+        if not alias.uses or alias.marker != RECORD_NAME:
+            return {}
+        found = self._shared.get((name, alias.area))
+        if found is None:
+            data = self._client.get(self.key(join(name, alias.marker))).data
+            named = shared_in_record(data).items()
+            found = {file: (area, size) for file, (area, size) in named if area in alias.uses}
+            self._shared[(name, alias.area)] = found
+        return found
+
     # --- claims -----------------------------------------------------------------------------------
 
     def _claim_key(self, area: str) -> str:
         return self.key(join(CLAIMS, quote(area, safe="")))
 
+    def _named(self, area: str) -> list[str]:
+        try:
+            return [n for n in self._client.get(self._claim_key(area)).data.decode().split("\n") if n]
+        except NotFound:
+            return []
+
     def claim(self, area: str, alias: str, *, moving_from: str | None = None) -> None:
-        """``alias`` takes ``area`` (``moving_from``: the alias that holds it until the move ends)."""
-        names = alias if moving_from is None else f"{alias}\n{moving_from}"
-        self._client.put(self._claim_key(area), names.encode())
+        """``alias`` takes ``area`` (``moving_from``: the alias that holds it until the move ends).
+        Names already there stay (the later checkpoints that use the area's files)."""
+        names = [alias] if moving_from is None else [alias, moving_from]
+        self._client.put(self._claim_key(area), "\n".join(names + self._others(area, names)).encode())
+
+    def _others(self, area: str, names: list[str]) -> list[str]:
+        return [n for n in self._named(area) if n not in names]
+
+    def add_user(self, area: str, alias: str) -> None:
+        """``alias`` is about to use ``area``'s files (written before its commit object)."""
+        named = self._named(area)
+        if alias not in named:
+            self._client.put(self._claim_key(area), "\n".join([*named, alias]).encode())
+
+    def drop(self, area: str, alias: str) -> None:
+        """``alias`` no longer holds nor uses ``area`` (it is being removed, the area kept)."""
+        named = self._named(area)
+        if alias in named:
+            self._client.put(self._claim_key(area), "\n".join(n for n in named if n != alias).encode())
+
+    def holders(self, area: str, *, first: bool = False) -> list[str]:
+        """The names that hold ``area`` now: named by its claim, and pointing at it or using it
+        (``first``: stop at the first found)."""
+        found = []
+        for name in self._named(area):
+            alias = self.find(name)
+            if alias is not None and (alias.area == area or area in alias.uses):
+                found.append(name)
+                if first:
+                    break
+        return found
 
     def owner(self, area: str) -> str | None:
-        """The alias that holds ``area`` now: a name its claim names that still points at it."""
-        try:
-            named = self._client.get(self._claim_key(area)).data.decode()
-        except NotFound:
-            return None
-        for name in named.split("\n"):
-            alias = self.find(name) if name else None
-            if alias is not None and alias.area == area:
-                return name
-        return None
+        """A name that holds ``area`` now (see :meth:`holders`), or None: the area is collectable."""
+        held = self.holders(area, first=True)
+        return held[0] if held else None
 
     def unclaim(self, area: str) -> None:
         with contextlib.suppress(NotFound):

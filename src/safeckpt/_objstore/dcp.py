@@ -96,12 +96,13 @@ class ObjectFileSystem(FileSystemBase):
 
 
 class _RawWriter(RawFileSystemWriter):
-    def __init__(self, store: Any, base: str, reuse: Any = None) -> None:
+    def __init__(self, store: Any, base: str, reuse: Any = None, share: Any = None) -> None:
         # sync_files off: an object is durable once its upload completes (no fsync, no os.sync()).
         super().__init__(
             base,
             direct_io=False,
             reuse=reuse,
+            share=share,
             sync_files=False,
             single_file_per_rank=True,
             thread_count=1,
@@ -121,10 +122,10 @@ class _TorchWriter(FileSystemWriter):
         self.path = base
 
 
-def writer(store: Any, base: str, *, dcp_own: bool, reuse: Any = None) -> Any:
+def writer(store: Any, base: str, *, dcp_own: bool, reuse: Any = None, share: Any = None) -> Any:
     """DCP's storage writer for the directory at key prefix ``base``; ``reuse``: see
     :class:`safeckpt._storage.reuse.Reuse` (untrained tensors in files of their own)."""
-    return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base, reuse)
+    return _TorchWriter(store, base) if dcp_own else _RawWriter(store, base, reuse, share)
 
 
 class ObjectDcpReader(FileSystemReader):
@@ -139,8 +140,12 @@ class ObjectDcpReader(FileSystemReader):
         step: int | None,
         metadata: Callable[[], dcp_metadata.Metadata],
         directory: str | None = None,
+        keys: Mapping[str, str] | None = None,
     ) -> None:
+        """``keys``: the object key of each file read elsewhere than under ``base`` (a file this
+        checkpoint shares with an earlier one: in the area that first wrote it)."""
         super().__init__(base)
+        self._keys = dict(keys or {})
         self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
         self.path = base
         self._store = store
@@ -164,7 +169,7 @@ class ObjectDcpReader(FileSystemReader):
         return done
 
     def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        key = self.fs.concat_path(self.path, name)
+        key = self._keys.get(name) or self.fs.concat_path(self.path, name)
         shown = f"{self._shown}/{name}"  # how errors name the file: as the user names the checkpoint
         checksum = None if self._checksums is None else self._checksums.get(name)
         segments = None if checksum is None else _Segments(checksum, shown, self._step)

@@ -15,7 +15,12 @@ the contract, and :mod:`.aliases` for how directories live without rename):
 * ``write_pointer``: ``latest``, replacing only the token this store last read
   or wrote, so a second writer's move is an error, never silently undone.
 * ``remove``: the area's objects (in the batches the service allows, and any
-  unfinished upload under it), only when no other alias holds the area.
+  unfinished upload under it), only when no other alias holds or uses the area;
+  likewise each earlier area the checkpoint used.
+* sharing (``dcp_writer``'s ``reuse``): a data file of unchanged tensors the
+  previous commit holds is not uploaded; the record names the area holding it,
+  the commit object lists the areas it uses, and each such area's claim names the
+  new checkpoint before its commit object is written (see :mod:`.aliases`).
 * ``lock``: a lease renewed with conditional writes (:mod:`.lease`).
 * ``sync``, ``make_dir``: nothing to do; an object is durable once its PUT
   returns, and prefixes need no making.
@@ -23,6 +28,7 @@ the contract, and :mod:`.aliases` for how directories live without rename):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +39,7 @@ from typing import Any
 from .._format.layout import DAMAGED_NAME, LATEST_NAME, LOCK_NAME, RECORD_NAME, STAGING_NAME, TRASH_NAME
 from .._store.base import DIR, FILE, Entry, join, leaf
 from ..errors import IncompleteCheckpointError
-from .aliases import AREA, CLAIMS, DIR_MARK, Alias, Aliases
+from .aliases import AREA, CLAIMS, DIR_MARK, Alias, Aliases, shared_in_record, uses_metadata
 from .client import NotFound, ObjectClient, PreconditionFailed, put_new, put_over
 from .lease import LeaseLock, check_held
 from .spread import Spread
@@ -106,6 +112,13 @@ class ObjectRootStore:
                 out[entry_name] = Entry(entry_name, DIR)
         if alias is not None and alias.marker in out:
             out[alias.marker] = Entry(alias.marker, FILE, alias.size)  # the commit object's size
+        if alias is not None and alias.uses:  # the files it reads from earlier areas are its own too
+            for file, (area, _size) in self.aliases.shared(name, alias).items():
+                try:
+                    head = self.client.head(self.aliases.spread.key(self.aliases.key(join(area, file))))
+                except NotFound:
+                    continue  # missing: the record's check says so
+                out[file] = Entry(file, FILE, head.size)
         out.pop(DIR_MARK, None)
         return sorted(out.values(), key=lambda e: e.name)
 
@@ -176,6 +189,8 @@ class ObjectRootStore:
         marker = self.aliases.key(join(src, alias.marker))
         got = self.client.get(marker)
         self.aliases.claim(alias.area, dst, moving_from=src)  # src keeps it until its marker goes
+        for used in alias.uses:  # dst reads those files too, from before src stops pointing at them
+            self.aliases.add_user(used, dst)
         self.client.delete(marker)  # the instant src leaves every listing
         self.aliases.forget(src)
         put_new(self.client, self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
@@ -189,8 +204,18 @@ class ObjectRootStore:
         del displaced
         self._check_lease()
         record = self.client.get(self.aliases.key(join(staged, RECORD_NAME)))
-        metadata = {AREA: staged}
+        uses = tuple(sorted({area for area, _ in shared_in_record(record.data).values()}))
+        metadata = {AREA: staged, **uses_metadata(uses)}
         commit_key = self.aliases.key(join(final, RECORD_NAME))
+        for used in uses:
+            # Before the commit object: from the instant it exists, the areas it reads are held.
+            if self.aliases.owner(used) is None:
+                raise IncompleteCheckpointError(
+                    f"{self.where(staged)} shares files of {self.where(used)}, which no checkpoint "
+                    "holds any more; save again (its files are then uploaded).",
+                    path=self.where(staged),
+                )
+            self.aliases.add_user(used, final)
         self.aliases.claim(staged, final)
         existed, replaced = False, None
         try:
@@ -199,7 +224,7 @@ class ObjectRootStore:
             existed, replaced = True, self.aliases.find(final)
             etag = self.client.head(commit_key).token
             put_over(self.client, commit_key, record.data, etag, metadata=metadata)
-        self.aliases.learn(final, Alias(staged, RECORD_NAME, len(record.data)))
+        self.aliases.learn(final, Alias(staged, RECORD_NAME, len(record.data), uses))
         if replaced is not None:
             # The old bytes go to the trash; cut short here, they show as a leftover and are collected.
             self.aliases.claim(replaced.area, retired)
@@ -216,9 +241,8 @@ class ObjectRootStore:
             # Only when the area's claim names this alias (every alias safeckpt makes claims its
             # area first) and the area is one save's or directory's, not a container or another
             # name: a marker written by hand, or damaged, never takes other checkpoints' bytes.
-            if self.aliases.owner(alias.area) == name and self._removable_area(alias.area):
-                self._delete_under(self.aliases.key(alias.area) + "/")
-                self.aliases.unclaim(alias.area)
+            for area in (alias.area, *alias.uses):
+                self._release(area, name)
             self._delete_under(self.aliases.key(name) + "/")
             self.aliases.forget(name)
             return
@@ -235,6 +259,18 @@ class ObjectRootStore:
         if not self._delete_under(key + "/"):
             raise NotFound(2, "no such file or directory", self.where(name))
         self.aliases.unclaim(name)
+
+    def _release(self, area: str, name: str) -> None:
+        """``name``, being removed, holds or uses ``area``: its objects go with the last such name;
+        while another one holds or uses it, only ``name`` leaves its claim."""
+        holders = self.aliases.holders(area)
+        if name not in holders:
+            return
+        if len(holders) > 1:
+            self.aliases.drop(area, name)
+        elif self._removable_area(area):
+            self._delete_under(self.aliases.key(area) + "/")
+            self.aliases.unclaim(area)
 
     def _removable_area(self, area: str) -> bool:
         """Whether ``area`` (read from a marker's metadata) names the bytes of one save or one plain
@@ -270,7 +306,7 @@ class ObjectRootStore:
         else:
             parent, _, marker = name.rpartition("/")
             if AREA in got.metadata and parent:  # a restore reads the record first: its area, fresh
-                self.aliases.learn(parent, Alias(got.metadata[AREA], marker, got.size))
+                self.aliases.learn(parent, Alias.of(got.metadata, marker, got.size))
         if got.size > limit:
             raise IncompleteCheckpointError(
                 f"{self.where(name)} has {got.size} bytes, more than any {what} has ({limit}); it is "
@@ -295,8 +331,9 @@ class ObjectRootStore:
         alias = self.aliases.find(parent) if parent else None
         if alias is not None and alias.marker == file_name:
             # A record rewritten (a pin): the commit object keeps naming its area.
-            self.client.put(self.aliases.key(name), data, metadata={AREA: alias.area})
-            self.aliases.learn(parent, Alias(alias.area, alias.marker, len(data)))
+            metadata = {AREA: alias.area, **uses_metadata(alias.uses)}
+            self.client.put(self.aliases.key(name), data, metadata=metadata)
+            self.aliases.learn(parent, dataclasses.replace(alias, size=len(data)))
             return
         self.client.put(self.aliases.file_key(name, fresh=True), data)
 
@@ -350,7 +387,26 @@ class ObjectRootStore:
 
         del direct_io
         base, _ = self.aliases.dir_key(directory)
-        return writer(self, base.rstrip("/"), dcp_own=dcp_own, reuse=reuse)
+        share = None
+        earlier = self.aliases.find(reuse.earlier_dir) if reuse is not None and reuse.earlier_dir else None
+        if earlier is not None:
+            # Where each earlier file's bytes are: the area that first wrote them (this is what the
+            # new record's ``from`` names, and the area its commit then uses).
+            files = tuple(
+                dataclasses.replace(f, origin=f.contents.shared_from or earlier.area) for f in reuse.earlier
+            )
+            reuse = dataclasses.replace(reuse, earlier=files)
+            share = self._share
+        return writer(self, base.rstrip("/"), dcp_own=dcp_own, reuse=reuse, share=share)
+
+    def _share(self, file: Any) -> bool:
+        """Whether the earlier checkpoint's ``file`` is where its record says, whole: the new
+        checkpoint then names it instead of uploading it (no request writes anything)."""
+        key = self.aliases.spread.key(self.aliases.key(join(file.origin, file.name)))
+        try:
+            return self.client.head(key).size == file.size
+        except NotFound:
+            return False
 
     def dcp_reader(
         self,
@@ -365,9 +421,21 @@ class ObjectRootStore:
         from .dcp import ObjectDcpReader
 
         del direct_io, dcp_own  # one reader: ranged GETs, every item checked
-        base, _ = self.aliases.dir_key(directory, fresh=False)
+        base, alias = self.aliases.dir_key(directory, fresh=False)
+        keys = {}
+        if alias is not None and alias.uses:  # files it shares with earlier checkpoints: where they are
+            keys = {
+                file: self.aliases.spread.key(self.aliases.key(join(area, file)))
+                for file, (area, _) in self.aliases.shared(directory, alias).items()
+            }
         return ObjectDcpReader(
-            self, base.rstrip("/"), checksums=checksums, step=step, metadata=metadata, directory=directory
+            self,
+            base.rstrip("/"),
+            checksums=checksums,
+            step=step,
+            metadata=metadata,
+            directory=directory,
+            keys=keys,
         )
 
     def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:

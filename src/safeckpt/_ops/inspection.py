@@ -22,6 +22,7 @@ from .._policy.retention import Retention, explain
 from .._store.base import DIR
 from .._store.loc import Loc, as_loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError
+from .footprint import footprint
 from .maintenance import infos, protected_steps, recorded_retention
 
 SCHEMA_VERSION = 1
@@ -312,6 +313,12 @@ def inspect_checkpoint(
         "record": record.to_json() if record is not None else None,
         "files": files,
         "size": sum(on_disk.values()),
+        # what its save wrote, and what it reads from files an earlier save wrote ("from": where)
+        "own_bytes": footprint(record).own if record is not None else None,
+        "shared_bytes": footprint(record).shared if record is not None else 0,
+        "shared_from": sorted({c.shared_from for c in (record.contents or {}).values() if c.shared_from})
+        if record is not None
+        else [],
         "tensors": tensors,
         "train_state": train_state,
     }

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from .._dist.participants import Participants
 from .._format import lineage
+from .._format.contents import written_here
 from .._format.identity import Fate, fate_of
 from .._format.layout import PRUNED, RECORD_NAME, REPLACED, Layout, step_dirname
 from .._format.record import Record, amend_record, read_record, same_checkpoint, write_record
@@ -280,6 +281,7 @@ class DurableTier:
                 ),
                 part=None,
                 local=None,
+                contents=written_here(record.contents),  # every file is uploaded: none shared there
             )
             try:
                 write_record(staging, durable, lock)

@@ -43,6 +43,11 @@ def render(console: Console, data: dict[str, Any]) -> None:
         console.print(f"  time:         {record.get('time_iso')}")
         console.print(f"  world size:   {record.get('world_size')}")
     console.print(f"  size:         {human_size(data['size'])} in {len(data['files'])} files")
+    if data.get("shared_bytes"):
+        console.print(
+            f"  shared:       {human_size(data['shared_bytes'])} read from files an earlier save wrote "
+            f"({', '.join(data['shared_from'])}); {human_size(data['own_bytes'] or 0)} its own"
+        )
     for key in ("metrics", "extra", "registration"):
         if record.get(key):
             console.print(f"  {key + ':':<13} {json.dumps(record[key], sort_keys=True)}")

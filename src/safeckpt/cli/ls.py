@@ -15,6 +15,7 @@ from rich.table import Table
 from .._dist.failures import human_size
 from .._format.catalog import Catalog, Entry, settled_scan, verify_files
 from .._format.record import list_files
+from .._ops.footprint import footprint, total
 from .._ops.inspection import kept_because, recorded_retention
 from .._ops.maintenance import Damaged, damaged_checkpoints
 from .._ops.tiers import compare_tiers
@@ -49,12 +50,16 @@ def listing(
         source = "recorded"
     reasons = kept_because(catalog, retention)
     checkpoints = []
+    whole = []  # (name, record) of the complete checkpoints: the root's total
     for entry in catalog.entries:
         problems = verify_files(entry)
         if problems and entry.path.entry() is None:
             continue  # pruned since the scan: gone, not incomplete
         record = entry.record
         kept = reasons.get(entry.step, []) if not problems else []
+        cost = footprint(record) if record and not problems else None
+        if record and not problems:
+            whole.append((entry.path.name, record))
         checkpoints.append(
             {
                 "step": entry.step,
@@ -64,6 +69,9 @@ def listing(
                 "time": record.time if record else None,
                 "time_iso": _local_iso(record.time) if record else None,
                 "size": record.size if record and not problems else _disk_size(entry),
+                # its save wrote / it reads from files an earlier save wrote (stored once)
+                "own_bytes": cost.own if cost else None,
+                "shared_bytes": cost.shared if cost else 0,
                 "metrics": dict(record.metrics) if record else {},
                 "pinned": bool(record and record.pinned),
                 "latest": entry.step == catalog.pointer_step,
@@ -81,6 +89,8 @@ def listing(
         "retention": None if retention is None else retention.policy().reason(),
         "retention_source": None if retention is None else source,
         "checkpoints": checkpoints,
+        # du-style: what the complete checkpoints hold together, each shared file once
+        "total_bytes": total(whole),
         "staging": [p.name for p in catalog.staging],
         "trash": [p.name for p in catalog.trash],
         "damaged": [_damaged_json(d) for d in damaged_checkpoints(catalog)],
@@ -153,16 +163,21 @@ def render(console: Console, data: dict[str, Any]) -> None:
         table.add_column("step", justify="right", no_wrap=True)
         table.add_column("time", no_wrap=True)
         table.add_column("size", justify="right", no_wrap=True)
+        sharing = any(c.get("shared_bytes") for c in data["checkpoints"])
+        if sharing:
+            table.add_column("shared", justify="right", no_wrap=True)
         table.add_column("metrics", overflow="fold")
         table.add_column("status", overflow="fold")
         if data.get("local_dir"):
             table.add_column("tiers", overflow="fold")
         table.add_column("why kept", overflow="fold")
         for c in data["checkpoints"]:
-            table.add_row(*_checkpoint_row(c, data))
+            row = _checkpoint_row(c, data)
+            table.add_row(*((*row[:3], human_size(c.get("shared_bytes") or 0), *row[3:]) if sharing else row))
         for d in data["damaged"]:
             row = _damaged_row(d)
-            table.add_row(*((*row[:-1], "", *row[-1:]) if data.get("local_dir") else row))
+            row = (*row[:-1], "", *row[-1:]) if data.get("local_dir") else row
+            table.add_row(*((*row[:3], "", *row[3:]) if sharing else row))
         print_table(console, table)
     for note in footnotes(data):
         console.print(f"[dim]{note}[/]")
@@ -206,6 +221,12 @@ def _time_cell(time_iso: str | None) -> str:
 
 def footnotes(data: dict[str, Any]) -> list[str]:
     notes = []
+    if any(c.get("shared_bytes") for c in data["checkpoints"]):
+        notes.append(
+            f"total: {human_size(data['total_bytes'])} stored for the complete checkpoints (each file "
+            "that checkpoints share counted once; `shared`: what a checkpoint reads from files an "
+            "earlier save wrote, kept while any checkpoint reads them)"
+        )
     if data["latest"] is None and data["latest_name"] is not None:
         notes.append(
             f"`latest` names {data['latest_name']}, which is not a committed checkpoint; "
