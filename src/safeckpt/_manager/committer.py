@@ -251,7 +251,7 @@ class Committer:
             if ranks.is_leader:
                 self._warn_diverging(job.step, [p for _, _, p, _ in gathered])
             try:
-                self._commit(job, self._checksums_here(gathered), self._contents_here(gathered))
+                self._commit(job, self._checksums_here(gathered), contents=self._contents_here(gathered))
             except Exception as e:
                 commit_error = e
         commit_errors = ranks.gather(
@@ -370,7 +370,9 @@ class Committer:
                 "cleaning up", "could not clean up a failed save (%s): %s", staging_dir.name, e
             )
 
-    def _commit(self, job: SaveJob, checksums: Mapping[str, Any], contents: Mapping[str, Any]) -> None:
+    def _commit(
+        self, job: SaveJob, checksums: Mapping[str, Any], *, contents: Mapping[str, Any] | None = None
+    ) -> None:
         """Rank 0 (the lowest rank sharing this root), under the sidecar lock: record, then the
         rename into place, then ``latest``.
 
@@ -382,6 +384,7 @@ class Committer:
         assert self._lock is not None
         layout = self._layout
         files = list_files(job.staging_dir)
+        contents = contents or {}
         files.update(self._shared_sizes(contents, files))
         for name in sorted(set(checksums) - set(files)):  # a listing can lag another client's file (NFS)
             entry = (job.staging_dir / name).entry()

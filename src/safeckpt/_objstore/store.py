@@ -46,6 +46,7 @@ from .spread import Spread
 from .transfer import RangeReader, UploadStream
 
 _POINTER_LIMIT = 4096
+_MAX_AREAS_USED = 12  # earlier areas one checkpoint reads files of; beyond, files are uploaded again
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ class ObjectRootStore:
         self.aliases.forget(src)
         put_new(self.client, self.aliases.key(join(dst, alias.marker)), got.data, metadata=got.metadata)
         self.aliases.learn(dst, alias)
+        for area in (alias.area, *alias.uses):  # src names nothing now: claims stay short
+            self.aliases.drop(area, src)
 
     def commit_dir(self, staged: str, final: str, *, displaced: str, retired: str) -> bool:
         """The record of ``staged`` becomes ``final``'s commit object (see the module docstring).
@@ -387,7 +390,7 @@ class ObjectRootStore:
 
         del direct_io
         base, _ = self.aliases.dir_key(directory)
-        share = None
+        share: Callable[[Any], bool] | None = None
         earlier = self.aliases.find(reuse.earlier_dir) if reuse is not None and reuse.earlier_dir else None
         if earlier is not None:
             # Where each earlier file's bytes are: the area that first wrote them (this is what the
@@ -396,7 +399,17 @@ class ObjectRootStore:
                 dataclasses.replace(f, origin=f.contents.shared_from or earlier.area) for f in reuse.earlier
             )
             reuse = dataclasses.replace(reuse, earlier=files)
-            share = self._share
+            origins: set[str] = set()
+
+            def share(file: Any) -> bool:
+                # The commit object's metadata lists every area used (S3 allows 2 KB of it).
+                if file.origin not in origins and len(origins) >= _MAX_AREAS_USED:
+                    return False
+                if not self._share(file):
+                    return False
+                origins.add(file.origin)
+                return True
+
         return writer(self, base.rstrip("/"), dcp_own=dcp_own, reuse=reuse, share=share)
 
     def _share(self, file: Any) -> bool:
