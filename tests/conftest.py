@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fs_fixtures", "mlflow_server", "os_fixtures", "s3_proxy", "s3_server", "s3rver_server"]
+pytest_plugins = [
+    "azurite_server",
+    "fs_fixtures",
+    "gcs_server",
+    "mlflow_server",
+    "os_fixtures",
+    "s3_proxy",
+    "s3_server",
+    "s3rver_server",
+]
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """What every store must do, written once and run against each (as fsspec's abstract tests are).
 
-Three stores: the local one (POSIX), S3 on the moto server, and an in-memory object store whose
+Five stores: the local one (POSIX), S3 on the moto server, GCS on fake-gcs-server, Azure Blob on
+Azurite, and an in-memory object store whose
 client is written outside the package and registered through ``safeckpt.storage`` (a new
 backend proves itself the same way: by passing this file). The seam's guarantees
 (``safeckpt._store.base``): whole files replaced atomically, names listed by kind and size,
@@ -39,7 +40,17 @@ from safeckpt._store.base import DIR, FILE
 from safeckpt._store.loc import Loc
 from safeckpt._store.registry import open_store
 
-KINDS = ["posix", "s3", "memory"]
+KINDS = ["posix", "s3", "memory", "gcs", "azure"]
+# A kill at each change of a commit waits out a lease per kill point: on GCS and Azure (each an
+# emulator of its own) that runs under `make test-slow`; the normal run keeps a sampled kill -9 of a
+# real process per store (tests/test_cloud_stores.py).
+EVERY_KILL_POINT = [
+    "posix",
+    "s3",
+    "memory",
+    pytest.param("gcs", marks=pytest.mark.slow),
+    pytest.param("azure", marks=pytest.mark.slow),
+]
 
 
 class Killed(BaseException):
@@ -59,11 +70,9 @@ class Kind:
             from safeckpt._posix.store import PosixStore
 
             return PosixStore(Path(self.url))
-        if self.name == "s3":
-            from safeckpt._s3 import open_root
-
-            return open_root(self.url)
-        return memory_objects.open_root(self.url)
+        if self.name == "memory":
+            return memory_objects.open_root(self.url)
+        return open_store(self.url)  # s3://, gs://, az://: through the factory, as every layer
 
     def dying(self, after: int) -> Any:
         """A fresh store that makes ``after`` changes, then dies."""
@@ -133,6 +142,10 @@ def kind(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
         yield Kind("posix", str(root))
     elif request.param == "s3":
         yield Kind("s3", request.getfixturevalue("s3_bucket").url("root"))
+    elif request.param == "gcs":
+        yield Kind("gcs", request.getfixturevalue("gcs_bucket").url("root"))
+    elif request.param == "azure":
+        yield Kind("azure", request.getfixturevalue("azure_container").url("root"))
     else:
         memory_objects.register()  # from outside the package, through the public API
         yield Kind("memory", f"memory://conformance-{time.monotonic_ns()}/root")
@@ -282,6 +295,7 @@ def _next_start(kind: Kind) -> dict[int, int]:
     return {e.step: e.record.seq for e in catalog.newest_first() if e.record is not None}
 
 
+@pytest.mark.parametrize("kind", EVERY_KILL_POINT, indirect=True)
 @pytest.mark.parametrize("again", [False, True], ids=["a new step", "a step saved again"])
 def test_a_kill_at_each_point_of_a_commit_leaves_the_last_commit(kind: Kind, again: bool) -> None:
     _commit(kind.fresh(), 1, 1)
@@ -346,6 +360,7 @@ def test_a_store_registered_from_outside_serves_every_entry_point() -> None:
         storage.register_store("Not A Scheme", memory_objects.open_root)
 
 
+@pytest.mark.parametrize("kind", EVERY_KILL_POINT, indirect=True)
 def test_a_kill_at_each_point_of_a_prune_leaves_the_checkpoint_whole_or_gone(kind: Kind) -> None:
     """A prune moves a checkpoint to the trash (on an object store: its claim, then its marker):
     cut after any change, the checkpoint is still committed with every byte, or it is gone."""
