@@ -47,16 +47,18 @@ def _request(url: str, method: str = "GET", body: bytes | None = None, headers: 
 class FakeGcs(ServerProcess):
     name = "fake-gcs-server"
 
-    def __init__(self, workdir: Path, binary: Path) -> None:
+    def __init__(self, workdir: Path, binary: Path, external: str | None = None) -> None:
         super().__init__(workdir)
         self.binary = binary
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        # Where it tells clients to send an upload's chunks (a proxy in front of it, for faults).
+        self.external = external or self.endpoint
 
     def command(self) -> list[str]:
         return [
             str(self.binary),
             "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
-            "-external-url", self.endpoint, "-log-level", "error",
+            "-external-url", self.external, "-log-level", "error",
         ]  # fmt: skip
 
     def ready(self) -> bool:

@@ -270,7 +270,7 @@ def explain_error(location: Location, settings: Settings, error: OSError) -> tup
             "identity's role: Storage Blob Data Contributor) and that they may read, write and delete "
             "blobs in the container; pass read_only=True for a job that only restores"
         )
-    if isinstance(error, ConnectionError) or status == 0:
+    if isinstance(error, ConnectionError) or (isinstance(error, ObjectStoreError) and status == 0):
         return f"the service is not available ({error.strerror})", (
             f"check the endpoint ({settings.endpoint}) and the network; each request was retried for "
             "up to storage_options['timeout'] seconds"

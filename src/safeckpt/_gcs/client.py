@@ -127,6 +127,7 @@ class GcsClient:
         )
         if reply.status == 412:
             raise PreconditionFailed(key)
+        self._bucket_there(reply, key)
         return self._generation(self._ok(reply, key), key)
 
     def get(self, key: str, *, start: int | None = None, length: int | None = None) -> Got:
@@ -187,9 +188,9 @@ class GcsClient:
         if limit is not None:
             query["maxResults"] = str(limit)
         while True:
-            page = self._json(
-                self._ok(self._request("GET", f"{self._objects}?{urlencode(query)}", prefix), prefix), prefix
-            )
+            reply = self._request("GET", f"{self._objects}?{urlencode(query)}", prefix)
+            self._bucket_there(reply, prefix)
+            page = self._json(self._ok(reply, prefix), prefix)
             objects.extend((o["name"], int(o.get("size", 0))) for o in page.get("items") or ())
             prefixes.extend(page.get("prefixes") or ())
             token = page.get("nextPageToken")
@@ -210,6 +211,7 @@ class GcsClient:
         )
         if reply.status == 412:
             raise PreconditionFailed(key)
+        self._bucket_there(reply, key)
         session = self._ok(reply, key).headers.get("location", "")
         if not session:
             raise ObjectStoreError("NoSession", reply.status, "no resumable upload session was given", key)
@@ -327,6 +329,11 @@ class GcsClient:
             self._credentials.before_request(self._auth_request, method, url, headers)
         return headers
 
+    def _bucket_there(self, reply: Reply, key: str) -> None:
+        """A 404 to a request on the bucket itself (a listing, an upload): no bucket."""
+        if reply.status == 404:
+            raise ObjectStoreError("NoSuchBucket", 404, f"no bucket {self.bucket!r}", key)
+
     def _ok(self, reply: Reply, key: str) -> Reply:
         if 200 <= reply.status < 300:
             return reply
@@ -374,7 +381,7 @@ def explain_error(location: Location, settings: Settings, error: OSError) -> tup
             "storage_options['token']) and that they may read, write and delete objects in the bucket "
             "(roles/storage.objectUser); pass read_only=True for a job that only restores"
         )
-    if isinstance(error, ConnectionError) or status == 0:
+    if isinstance(error, ConnectionError) or (isinstance(error, ObjectStoreError) and status == 0):
         return f"the service is not available ({error.strerror})", (
             f"check the endpoint ({settings.endpoint}: storage_options['endpoint_url'] or "
             "STORAGE_EMULATOR_HOST) and the network; each request was retried for up to "
