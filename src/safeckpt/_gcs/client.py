@@ -134,7 +134,8 @@ class GcsClient:
         if start is None:
             return self._whole(key)
         if length == 0:
-            return Got(b"", self.head(key).token, self.head(key).size)
+            head = self.head(key)
+            return Got(b"", head.token, head.size)
         end = "" if length is None else str(start + length - 1)
         reply = self._request("GET", self._media(key), key, headers={"Range": f"bytes={start}-{end}"})
         if reply.status == 416:
