@@ -72,7 +72,12 @@ class Kind:
             return PosixStore(Path(self.url))
         if self.name == "memory":
             return memory_objects.open_root(self.url)
-        return open_store(self.url)  # s3://, gs://, az://: through the factory, as every layer
+        # A new store each time, as a new process opens it (open_store keeps one per URL).
+        from safeckpt._azure import open_root as azure
+        from safeckpt._gcs import open_root as gcs
+        from safeckpt._s3 import open_root as s3
+
+        return {"s3": s3, "gcs": gcs, "azure": azure}[self.name](self.url)
 
     def dying(self, after: int) -> Any:
         """A fresh store that makes ``after`` changes, then dies."""
