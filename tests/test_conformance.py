@@ -41,16 +41,6 @@ from safeckpt._store.loc import Loc
 from safeckpt._store.registry import open_store
 
 KINDS = ["posix", "s3", "memory", "gcs", "azure"]
-# A kill at each change of a commit waits out a lease per kill point: on GCS and Azure (each an
-# emulator of its own) that runs under `make test-slow`; the normal run keeps a sampled kill -9 of a
-# real process per store (tests/test_cloud_stores.py).
-EVERY_KILL_POINT = [
-    "posix",
-    "s3",
-    "memory",
-    pytest.param("gcs", marks=pytest.mark.slow),
-    pytest.param("azure", marks=pytest.mark.slow),
-]
 
 
 class Killed(BaseException):
@@ -300,7 +290,6 @@ def _next_start(kind: Kind) -> dict[int, int]:
     return {e.step: e.record.seq for e in catalog.newest_first() if e.record is not None}
 
 
-@pytest.mark.parametrize("kind", EVERY_KILL_POINT, indirect=True)
 @pytest.mark.parametrize("again", [False, True], ids=["a new step", "a step saved again"])
 def test_a_kill_at_each_point_of_a_commit_leaves_the_last_commit(kind: Kind, again: bool) -> None:
     _commit(kind.fresh(), 1, 1)
@@ -365,7 +354,6 @@ def test_a_store_registered_from_outside_serves_every_entry_point() -> None:
         storage.register_store("Not A Scheme", memory_objects.open_root)
 
 
-@pytest.mark.parametrize("kind", EVERY_KILL_POINT, indirect=True)
 def test_a_kill_at_each_point_of_a_prune_leaves_the_checkpoint_whole_or_gone(kind: Kind) -> None:
     """A prune moves a checkpoint to the trash (on an object store: its claim, then its marker):
     cut after any change, the checkpoint is still committed with every byte, or it is gone."""
