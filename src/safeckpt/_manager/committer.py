@@ -224,7 +224,7 @@ class Committer:
                 nest_for_dcp(job.dcp_state), job.staging_dir, ranks.writer, plans=self._plans
             )
             train_name = train_state_filename(ranks.rank)
-            self._store.write_atomic((job.staging_dir / train_name).key, job.train_state)
+            self._store.write_new((job.staging_dir / train_name).key, job.train_state)
             sums = {name: None if c is None else c.to_json() for name, c in written.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()
             if job.pending is not None and job.pending.error is not None:

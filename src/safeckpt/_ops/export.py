@@ -355,7 +355,7 @@ def write_export(
                 _write_safetensors(tmp / name, plan, shard, metadata, advance, read_budget)
                 weight_map.update({t.name: name for t in shard})
             index = {"metadata": {"total_size": plan.total_bytes, **metadata}, "weight_map": weight_map}
-            store.write_atomic((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            store.write_new((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
             store.sync(tmp.key)
             # no moment without a whole output: the old folder ends at the temp name, removed below
             store.commit_dir(tmp.key, target.key, displaced=f"{tmp.key}.old", retired=tmp.key)
