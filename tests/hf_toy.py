@@ -39,7 +39,9 @@ def model(seed: int = 0) -> Any:
     return GPT2LMHeadModel(config)
 
 
-def trainer(output_dir: Path | str, *, trainer_class: Any = None, train_rows: int = 48, **overrides: Any) -> Any:
+def trainer(
+    output_dir: Path | str, *, trainer_class: Any = None, train_rows: int = 48, **overrides: Any
+) -> Any:
     """A Trainer over :class:`Tokens` (batch 4: 12 steps an epoch), saving every 2 steps."""
     from transformers import Trainer, TrainingArguments
 

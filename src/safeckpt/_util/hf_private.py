@@ -11,28 +11,23 @@ the ones this module was written against (missing, or taking other parameters) w
 ``tests/test_hf.py::test_trainer_internals_are_as_written`` fails on a ``transformers`` upgrade
 that changes one. Checked against transformers 5.25 and accelerate 1.16 (``constraints/ci.txt``).
 
-==========================================================  =====================================================
-``transformers.Trainer`` internal                           what safeckpt.hf does with it
-==========================================================  =====================================================
-``train(resume_from_checkpoint, trial, ignore_keys_for_eval)``  public, routed for an attached Trainer: chooses the
-                                                            checkpoint to resume (the newest that verifies), and
-                                                            hands the Trainer a resume marker: a local directory
-                                                            holding only that checkpoint's ``trainer_state.json``
-``_save_checkpoint(model, trial)``                          routed to the manager for an attached Trainer: the one
-                                                            call the loop makes when a save is due, after
-                                                            evaluation and ``_determine_best_metric``
-``_load_from_checkpoint(resume_from_checkpoint, model)``    skipped for the marker (weights come with the optimizer
-                                                            below); HF's own for any other path (an import)
-``_load_optimizer_and_scheduler(checkpoint)``               for the marker: the whole restore (model, optimizer,
-                                                            scheduler, scaler) at the place HF loads its optimizer:
-                                                            after ``accelerator.prepare``, before the first step
-``_load_scaler(checkpoint)``                                skipped for the marker (restored above)
-``_load_rng_state(checkpoint)``                             for the marker, sets the restored RNG states where the
-                                                            loop would: at an epoch's start, or once the skipped
-                                                            batches' indices were drawn
-``_load_best_model()``                                      ``load_best_model_at_end`` from the manager when the
-                                                            best checkpoint is safeckpt's
-==========================================================  =====================================================
+The ``transformers.Trainer`` internals, and what safeckpt.hf does with each:
+
+* ``train(resume_from_checkpoint, trial, ignore_keys_for_eval)`` (public): chooses the checkpoint
+  to resume (the newest that verifies) and hands the Trainer a resume marker, a local directory
+  holding only that checkpoint's ``trainer_state.json``.
+* ``_save_checkpoint(model, trial)``: to the manager. The one call the loop makes when a save is
+  due, after evaluation and ``_determine_best_metric``.
+* ``_load_from_checkpoint(resume_from_checkpoint, model)``: skipped for the marker (the weights
+  come with the optimizer, below); the Trainer's own for any other path (an import).
+* ``_load_optimizer_and_scheduler(checkpoint)``: for the marker, the whole restore (model,
+  optimizer, scheduler, scaler) where the Trainer loads its optimizer file: after
+  ``accelerator.prepare``, before the first step.
+* ``_load_scaler(checkpoint)``: skipped for the marker (restored above).
+* ``_load_rng_state(checkpoint)``: for the marker, sets the restored RNG states where the loop
+  would: at an epoch's start, or once the skipped batches' indices were drawn.
+* ``_load_best_model()``: ``load_best_model_at_end`` from the manager when the best checkpoint is
+  safeckpt's.
 
 Behaviour relied on, not a symbol (caught by the bit-exact resume tests): ``_inner_training_loop``
 runs ``_init_training_state`` (which reads ``trainer_state.json`` from the resume path with
@@ -108,7 +103,9 @@ def differences(trainer_class: type) -> list[str]:
             found.append(f"{trainer_class.__name__}.{name} has no signature to check")
             continue
         if parameters != expected:
-            found.append(f"{trainer_class.__name__}.{name}{_params(parameters)}, not {name}{_params(expected)}")
+            found.append(
+                f"{trainer_class.__name__}.{name}{_params(parameters)}, not {name}{_params(expected)}"
+            )
     return found
 
 
@@ -126,7 +123,8 @@ def check_trainer(trainer_class: type) -> None:
     base = transformers.Trainer
     if not issubclass(trainer_class, base):
         raise ConfigError(
-            f"safeckpt.hf.attach() takes a transformers.Trainer (or a subclass), got {trainer_class.__name__}."
+            "safeckpt.hf.attach() takes a transformers.Trainer (or a subclass), got "
+            f"{trainer_class.__name__}."
         )
     found = differences(base)
     if found:

@@ -1,4 +1,4 @@
-"""The callback :func:`~safeckpt.hf.attach` adds: the manager's schedule and preemption flag, once per step."""
+"""The callback :func:`~safeckpt.hf.attach` adds: the schedule and preemption flag, once per step."""
 
 from __future__ import annotations
 

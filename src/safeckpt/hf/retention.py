@@ -38,7 +38,9 @@ class KeepTrainerBest:
         return "the Trainer's best_global_step"
 
 
-def trainer_retention(args: Any, chosen: Retention | Policy | None, best_step: Callable[[], int | None]) -> Policy:
+def trainer_retention(
+    args: Any, chosen: Retention | Policy | None, best_step: Callable[[], int | None]
+) -> Policy:
     """``chosen`` (attach's ``retention=``), else the Trainer's arguments; either way with the best kept."""
     keep_trainer_best = KeepTrainerBest(best_step)
     if chosen is not None:

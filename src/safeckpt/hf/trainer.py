@@ -71,7 +71,8 @@ def attach(trainer: Any, root: str | os.PathLike[str], **manager_options: Any) -
     check_trainer(type(trainer))
     if trainer in _bindings:
         raise ConfigError(
-            f"this Trainer is attached already (to {_bindings[trainer].manager.root}); attach() once per Trainer."
+            f"this Trainer is attached already (to {_bindings[trainer].manager.root}); "
+            "call attach() once per Trainer."
         )
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ConfigError(
@@ -104,7 +105,9 @@ def manager_of(trainer: Any) -> CheckpointManager | None:
     return None if binding is None else binding.manager
 
 
-class _ChoseOlder(Exception):  # noqa: N818 - control flow inside train(), never seen outside
+class _ChoseOlder(Exception):
+    """Control flow inside ``train()``, never seen outside: start over from an older step."""
+
     def __init__(self, step: int | None) -> None:
         super().__init__(step)
         self.step = step
@@ -249,10 +252,10 @@ class _Binding:
 
     # --- the internals the Trainer calls ------------------------------------------------
 
-    def load_from_checkpoint(self, original: Any, resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if self._is_marker(resume_from_checkpoint):
+    def load_from_checkpoint(self, original: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        if self._is_marker(path):
             return None  # the weights come with the full restore (load_optimizer_and_scheduler)
-        return original(resume_from_checkpoint, *args, **kwargs)
+        return original(path, *args, **kwargs)
 
     def load_optimizer_and_scheduler(self, original: Any, checkpoint: str | None) -> Any:
         if not self._is_marker(checkpoint):
@@ -307,7 +310,9 @@ class _Binding:
         try:
             self.manager.restore({"model": self.trainer.model}, step=step, include=["model"], strict=False)
         except CheckpointNotFoundError as e:
-            logger.warning("safeckpt: the best checkpoint (step %d) is gone; keeping the last weights: %s", step, e)
+            logger.warning(
+                "safeckpt: the best checkpoint (step %d) is gone; keeping the last weights: %s", step, e
+            )
             return None
         logger.info("safeckpt: loaded the best model, step %d, from %s", step, self.manager.root)
         return None
