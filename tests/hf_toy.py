@@ -63,7 +63,7 @@ def trainer(
     }
     options.update(overrides)
     args = TrainingArguments(**options)
-    eval_dataset = Tokens(16, seed=1) if options.get("eval_strategy", "no") != "no" else None
+    eval_dataset = Tokens(16) if options.get("eval_strategy", "no") != "no" else None
     cls = trainer_class or Trainer
     return cls(model=model(), args=args, train_dataset=Tokens(train_rows), eval_dataset=eval_dataset)
 
