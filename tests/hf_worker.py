@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import hf_toy  # noqa: E402
+import hf_toy
 
 
 def main() -> None:

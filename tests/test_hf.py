@@ -19,13 +19,13 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import hf_toy  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers import Trainer, TrainerCallback
 
-import safeckpt  # noqa: E402
-import safeckpt.hf  # noqa: E402
-from safeckpt._util import hf_private  # noqa: E402
-from safeckpt.hf import trainer as hf_trainer  # noqa: E402
+import hf_toy
+import safeckpt
+import safeckpt.hf
+from safeckpt._util import hf_private
+from safeckpt.hf import trainer as hf_trainer
 
 WORKER = Path(__file__).parent / "hf_worker.py"
 
@@ -96,7 +96,7 @@ def test_trainer_internals_are_as_written() -> None:
 
 
 def test_attach_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
-    with pytest.raises(safeckpt.ConfigError, match="transformers.Trainer"):
+    with pytest.raises(safeckpt.ConfigError, match=r"transformers\.Trainer"):
         safeckpt.hf.attach(object(), tmp_path / "root")
     trainer = hf_toy.trainer(tmp_path / "out")
     safeckpt.hf.attach(trainer, tmp_path / "root")
@@ -118,10 +118,21 @@ def test_the_core_package_does_not_import_transformers() -> None:
 # --- saving and resuming ------------------------------------------------------------------
 
 
+class CountingTrainer(Trainer):
+    """A user's subclass (as TRL's are): its override calls super(), which reaches the manager."""
+
+    saves = 0
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        type(self).saves += 1
+        super()._save_checkpoint(model, trial)
+
+
 def test_saves_go_through_the_manager(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    trainer = attached(tmp_path, root, "run", stop_at=5)
+    trainer = attached(tmp_path, root, "run", stop_at=5, trainer_class=CountingTrainer)
     trainer.train()
+    assert CountingTrainer.saves == 2
     assert committed(root) == [2, 4]
     assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "run").glob("*"))
     record = safeckpt.read_record(root / "step_4")
@@ -236,6 +247,21 @@ def test_retention_keeps_the_latest_and_the_best_across_restarts(tmp_path: Path)
     close(second)
 
 
+def test_the_trainers_best_step_is_kept_on_a_tie() -> None:
+    """The Trainer keeps the first of tied best scores, KeepBest the newest: both stay."""
+    from types import SimpleNamespace
+
+    from safeckpt import CheckpointInfo
+    from safeckpt.hf.retention import trainer_retention
+
+    args = SimpleNamespace(save_total_limit=1, metric_for_best_model="accuracy", greater_is_better=True)
+    policy = trainer_retention(args, None, lambda: 2)
+    infos = [CheckpointInfo(step=s, metrics={"eval_accuracy": 0.5}, time=float(s)) for s in (2, 4, 6, 8)]
+    assert policy.keep(infos) == {2, 8}  # without the Trainer's best: {8}
+    user = trainer_retention(args, safeckpt.Retention(keep_last=1), lambda: 2)
+    assert user.keep(infos) == {2, 8}
+
+
 def test_import_of_an_hf_checkpoint_folder_happens_once(tmp_path: Path) -> None:
     weights, _ = reference(tmp_path)
     plain = hf_toy.trainer(tmp_path / "hf")
@@ -338,7 +364,7 @@ def test_s3_root_resumes_bit_exact(tmp_path: Path, s3_bucket: Any) -> None:
     first = attached(tmp_path, root, "first", stop_at=5)
     first.train()
     close(first)
-    assert any(key.startswith("run/step_4/") for key in s3_bucket.keys())
+    assert any(key.startswith("run/step_4/") for key in s3_bucket.keys())  # noqa: SIM118 - a method
     second = attached(tmp_path, root, "second")
     second.train()
     assert binding(second).restored_step == 4
