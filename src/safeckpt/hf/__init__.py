@@ -16,7 +16,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from .._util.hf_private import TrainerInternalsError
-from .accelerator import accelerator_state
+from .accelerator import accelerator_state, skip_batches
 from .trainer import attach, manager_of
 
-__all__ = ["TrainerInternalsError", "accelerator_state", "attach", "manager_of"]
+__all__ = ["TrainerInternalsError", "accelerator_state", "attach", "manager_of", "skip_batches"]

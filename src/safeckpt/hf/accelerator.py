@@ -12,19 +12,23 @@ async, committed at once, checked on load, retention, ``s3://``, auto-resume pas
         ...
         mgr.save(step, state)
 
-The RNG states are the manager's own (``save_rng``, every rank's). The dict holds the objects
+The RNG states are the manager's own (``save_rng``, every rank's). Making a data iterator draws
+a seed from torch's RNG; the run that never stopped made the epoch's iterator at the epoch's start.
+So a loop resumed in the middle of an epoch takes its first batches from :func:`skip_batches`,
+and goes on draw for draw (the Trainer does the same). The dict holds the objects
 themselves, so build it once after ``prepare`` and ``register_for_checkpointing``; build it again
 after preparing more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .._state.train_state import capture_rng, restore_rng
 from .._util.hf_private import accelerator_objects
 
-__all__ = ["accelerator_state"]
+__all__ = ["accelerator_state", "skip_batches"]
 
 
 class _LoaderPosition:
@@ -82,3 +86,23 @@ def accelerator_state(accelerator: Any) -> dict[str, Any]:
         state["scaler"] = scaler
     state["accelerator"] = _Counters(accelerator)
     return state
+
+
+def skip_batches(accelerator: Any, loader: Any, count: int) -> Iterator[Any]:
+    """The batches of ``loader``'s epoch after the first ``count``, for a loop resumed mid-epoch.
+
+    Accelerate's ``skip_first_batches`` (a map-style dataset's skipped batches are only drawn as
+    indices, never loaded), with the RNG states left as the restore set them: the data iterator
+    draws its seed from torch's RNG when it fetches its first batch, which the run that never
+    stopped did at the epoch's start. Set the loader's epoch first (``loader.set_epoch(epoch)``).
+    """
+    batches = iter(accelerator.skip_first_batches(loader, count) if count else loader)
+    rng = capture_rng()
+    try:
+        first = next(batches)
+    except StopIteration:
+        return
+    finally:
+        restore_rng(rng)
+    yield first
+    yield from batches
