@@ -115,7 +115,8 @@ def accelerate_run(options: argparse.Namespace) -> dict[str, Any]:
                 step += 1
                 counter.seen += 1
                 if options.trace:
-                    print("trace", step, digest(dict(accelerator.unwrap_model(model).state_dict()))[:12], flush=True)
+                    weights = dict(accelerator.unwrap_model(model).state_dict())
+                    print("trace", step, digest(weights)[:12], flush=True)
                 if step % 2 == 0:
                     manager.save(step, state)
                 if step in (options.stop_at, options.steps):
@@ -138,9 +139,8 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true")
     options = parser.parse_args()
     result = trainer_run(options) if options.mode == "trainer" else accelerate_run(options)
-    if torch.distributed.is_initialized():
-        if torch.distributed.get_rank() != 0:
-            return
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
     Path(options.out).write_text(json.dumps(result))
 
 
