@@ -52,7 +52,12 @@ def trainer_run(options: argparse.Namespace) -> dict[str, Any]:
                 saved = safeckpt.load(f"{options.root}/step_{state.global_step}")["model"]
                 seen["restored_equal"] = hf_toy.same(saved, hf_toy.weights(trainer))
 
-    trainer = hf_toy.trainer(options.out + ".run", max_steps=options.steps, per_device_train_batch_size=2)
+    extra: dict[str, Any] = {}
+    if options.mode == "trainer-fsdp":
+        extra = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
+    trainer = hf_toy.trainer(
+        options.out + ".run", max_steps=options.steps, per_device_train_batch_size=2, **extra
+    )
     trainer.add_callback(StopAt())
     trainer.add_callback(Resumed())
     manager = safeckpt.hf.attach(trainer, options.root)
@@ -131,14 +136,14 @@ def accelerate_run(options: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["trainer", "accelerate"])
+    parser.add_argument("mode", choices=["trainer", "trainer-fsdp", "accelerate"])
     parser.add_argument("root")
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stop-at", type=int, default=-1)
     parser.add_argument("--trace", action="store_true")
     options = parser.parse_args()
-    result = trainer_run(options) if options.mode == "trainer" else accelerate_run(options)
+    result = accelerate_run(options) if options.mode == "accelerate" else trainer_run(options)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     Path(options.out).write_text(json.dumps(result))

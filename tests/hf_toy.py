@@ -69,7 +69,12 @@ def trainer(
 
 
 def weights(trainer: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    """The model's weights, whole (an FSDP shard is gathered: call it on every rank)."""
+    out = {}
+    for name, value in trainer.model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().clone()
+    return out
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -58,6 +58,7 @@ def test_accelerate_loop_on_two_ranks_resumes_bit_exact(tmp_path: Path) -> None:
     assert second["weights"] == finish(reference, tmp_path / "ref.json")["weights"]
 
 
+@pytest.mark.slow
 def test_trainer_ddp_two_ranks_then_resume_on_one(tmp_path: Path) -> None:
     """The Trainer under DDP on 2 ranks, stopped after step 5, resumed on 1 rank: it goes on from
     step 4 with the weights saved there (the data position is the Trainer's: by optimizer steps)."""
@@ -77,5 +78,27 @@ def test_trainer_ddp_two_ranks_resumes_bit_exact(tmp_path: Path) -> None:
     root = tmp_path / "root"
     run("trainer", root, tmp_path / "a.json", 2, "--steps", "8", "--stop-at", "5")
     second = run("trainer", root, tmp_path / "b.json", 2, "--steps", "8")
+    assert second["resumed"] == 4 and second["restored_equal"] is True
+    assert second["weights"] == finish(reference, tmp_path / "ref.json")["weights"]
+
+
+def test_trainer_fsdp2_two_ranks_then_resume_on_one(tmp_path: Path) -> None:
+    """FSDP2 (``fsdp_version: 2``) on 2 gloo ranks: sharded saves (each rank writes its shards);
+    resumed on 1 rank, the shards are put together into the weights saved at step 4."""
+    root = tmp_path / "root"
+    first = run("trainer-fsdp", root, tmp_path / "a.json", 2, "--steps", "8", "--stop-at", "5")
+    assert first["step"] == 5
+    assert len(list((root / "step_4").glob("*.distcp"))) == 2  # one file of shards per rank
+    second = run("trainer-fsdp", root, tmp_path / "b.json", 1, "--steps", "8")
+    assert second["resumed"] == 4 and second["restored_equal"] is True
+    assert second["step"] == 8
+
+
+@pytest.mark.slow
+def test_trainer_fsdp2_two_ranks_resumes_bit_exact(tmp_path: Path) -> None:
+    reference = start("trainer-fsdp", tmp_path / "ref", tmp_path / "ref.json", 2, "--steps", "8")
+    root = tmp_path / "root"
+    run("trainer-fsdp", root, tmp_path / "a.json", 2, "--steps", "8", "--stop-at", "5")
+    second = run("trainer-fsdp", root, tmp_path / "b.json", 2, "--steps", "8")
     assert second["resumed"] == 4 and second["restored_equal"] is True
     assert second["weights"] == finish(reference, tmp_path / "ref.json")["weights"]
