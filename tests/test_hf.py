@@ -262,6 +262,23 @@ def test_the_trainers_best_step_is_kept_on_a_tie() -> None:
     assert user.keep(infos) == {2, 8}
 
 
+def test_export_format_hf_loads_with_from_pretrained(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from safeckpt.cli import main
+
+    root = tmp_path / "root"
+    trainer = attached(tmp_path, root, "run", max_steps=4)
+    trainer.train()
+    close(trainer)
+    out = tmp_path / "exported"
+    assert main(["export", str(root), "--format", "hf", "--to", str(out)]) == 0
+    assert (out / "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(trainer.model)
+    assert hf_toy.same(hf_toy.weights(trainer), {k: v for k, v in loaded.state_dict().items()})
+
+
 def test_import_of_an_hf_checkpoint_folder_happens_once(tmp_path: Path) -> None:
     weights, _ = reference(tmp_path)
     plain = hf_toy.trainer(tmp_path / "hf")

@@ -27,6 +27,7 @@ How it fits the Trainer (each internal named in :mod:`safeckpt._util.hf_private`
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._manager.manager import CheckpointManager
+from .._ops.export import HF_CONFIG
 from .._state.train_state import capture_rng, restore_rng
 from .._util.hf_private import check_trainer, route_trainer
 from ..errors import CheckpointNotFoundError, ConfigError
@@ -295,7 +297,7 @@ class _Binding:
         metrics = _step_metrics(state.log_history, step)
         entry = TrainerStateEntry(trainer, self.imported_from)
         # overwrite=True: after a fallback to an older step, later steps are saved again
-        self.manager.save(step, self._state(entry), metrics=metrics, overwrite=True)
+        self.manager.save(step, self._state(entry), metrics=metrics, extra=self._extra(), overwrite=True)
         self._saved.add(step)
         if trainer.args.push_to_hub and not self._push_warned:
             self._push_warned = True
@@ -328,6 +330,20 @@ class _Binding:
         if not where or not where.startswith(prefix) or not where[len(prefix) :].isdigit():
             return None
         return int(where[len(prefix) :])
+
+    def _extra(self) -> dict[str, Any]:
+        """The model's config (``safeckpt export --format hf`` writes it as ``config.json``)."""
+        model = self.trainer.model
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            return {}
+        data = config.to_dict()
+        data["architectures"] = [type(model).__name__]
+        try:
+            json.dumps(data)
+        except (TypeError, ValueError):
+            return {}  # a config with values JSON cannot hold: exported without config.json
+        return {HF_CONFIG: data}
 
     def _is_marker(self, path: Any) -> bool:
         return self._marker is not None and path is not None and os.fspath(path) == self._marker
