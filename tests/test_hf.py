@@ -56,10 +56,11 @@ def reference(tmp_path: Path, **overrides: Any) -> tuple[dict[str, torch.Tensor]
 
 
 def attached(tmp_path: Path, root: Any, name: str, *, stop_at: int | None = None, **overrides: Any) -> Any:
+    manager_options = overrides.pop("manager_options", {})
     trainer = hf_toy.trainer(tmp_path / name, **overrides)
     if stop_at is not None:
         trainer.add_callback(StopAt(stop_at))
-    safeckpt.hf.attach(trainer, root, **overrides.pop("manager_options", {}))
+    safeckpt.hf.attach(trainer, root, **manager_options)
     return trainer
 
 
@@ -165,6 +166,26 @@ def test_resume_is_bit_exact_and_reads_no_skipped_row(tmp_path: Path, stop_at: i
     # the Trainer's state went on: one log entry per step, none twice
     steps = [e["step"] for e in second.state.log_history if "loss" in e]
     assert steps == list(range(1, 9))
+    close(second)
+
+
+def test_manager_options_win_two_tiers_and_overlapped_staging(tmp_path: Path) -> None:
+    """``attach``'s options go to the manager: a local first tier uploaded to the root, the copy
+    overlapped with the next steps, the user's retention (with the latest kept); bit-exact still."""
+    weights, _ = reference(tmp_path)
+    root, local = tmp_path / "root", tmp_path / "local"
+    options = {"local_dir": local, "overlap_staging": True, "retention": safeckpt.Retention(keep_last=1)}
+    first = attached(tmp_path, root, "first", stop_at=5, manager_options=dict(options))
+    first.train()
+    manager = safeckpt.hf.manager_of(first)
+    assert manager is not None
+    manager.wait(durable=True)
+    close(first)
+    assert committed(root) == [4] and (local / "step_4").is_dir()
+    second = attached(tmp_path, root, "second", manager_options=dict(options))
+    second.train()
+    assert binding(second).restored_step == 4
+    assert hf_toy.same(weights, hf_toy.weights(second))
     close(second)
 
 
