@@ -189,6 +189,16 @@ def test_manager_options_win_two_tiers_and_overlapped_staging(tmp_path: Path) ->
     close(second)
 
 
+def test_a_schedule_saves_besides_the_trainers_strategy(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    schedule = safeckpt.SaveSchedule(every=3)
+    options = {"schedule": schedule}
+    trainer = attached(tmp_path, root, "run", stop_at=7, save_strategy="no", manager_options=options)
+    trainer.train()
+    assert committed(root) == [3, 6]
+    close(trainer)
+
+
 def _damage(path: Path, how: str) -> None:
     data = max((p for p in path.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
     if how == "flip":
@@ -231,7 +241,7 @@ def test_explicit_resume_by_step_and_fresh_start(tmp_path: Path) -> None:
     with pytest.raises(safeckpt.CheckpointNotFoundError):
         second.train(resume_from_checkpoint=3)
     second.train(resume_from_checkpoint=False)  # from step 0, whatever the root holds
-    assert binding(second).restored_step == 2  # unchanged: nothing was restored
+    assert binding(second).restored_step is None
     assert second.state.global_step == 3
     second.train(resume_from_checkpoint=str(root / "step_4"))
     assert binding(second).restored_step == 4

@@ -87,6 +87,12 @@ def attach(trainer: Any, root: str | os.PathLike[str], **manager_options: Any) -
     if "preemption_signals" not in options and threading.current_thread() is threading.main_thread():
         options["preemption_signals"] = (signal.SIGTERM,)
     binding.asks_each_step = bool(options.get("schedule") or options.get("preemption_signals"))
+    if trainer.args.save_strategy == "no" and not options.get("schedule"):
+        logger.warning(
+            "safeckpt: save_strategy='no': the Trainer never asks for a save, so only a preemption "
+            "signal (or attach(..., schedule=SaveSchedule(...))) saves into %s",
+            root,
+        )
     if trainer.args.save_only_model:
         logger.warning(
             "safeckpt: save_only_model=True is ignored: every checkpoint holds the whole state "
@@ -148,6 +154,7 @@ class _Binding:
 
     def train(self, original: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         request, must_exist, hf_folder = self._resume_request(resume_from_checkpoint)
+        self.restored_step = None
         output = None
         for attempt in range(RESTARTS + 1):
             start = hf_folder
