@@ -27,7 +27,7 @@ import safeckpt.hf
 from safeckpt._util import hf_private
 from safeckpt.hf import trainer as hf_trainer
 
-WORKER = Path(__file__).parent / "hf_worker.py"
+WORKER = Path(__file__).parent / "support" / "hf_worker.py"
 
 
 class StopAt(TrainerCallback):

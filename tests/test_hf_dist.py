@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 import safeckpt
 
-WORKER = Path(__file__).parent / "hf_dist_worker.py"
+WORKER = Path(__file__).parent / "support" / "hf_dist_worker.py"
 pytestmark = pytest.mark.distributed
 
 
