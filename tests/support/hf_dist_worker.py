@@ -1,6 +1,6 @@
 """One rank of a safeckpt.hf run under torchrun (tests/test_hf_dist.py).
 
-    torchrun --nproc-per-node N tests/hf_dist_worker.py MODE ROOT OUT [--steps S] [--stop-at K]
+    torchrun --nproc-per-node N tests/support/hf_dist_worker.py MODE ROOT OUT [--steps S] [--stop-at K]
 
 MODE ``trainer``: the Trainer under DDP (gloo), attached; ``accelerate``: a custom loop on
 ``Accelerator`` saving ``accelerator_state(accelerator)`` through a CheckpointManager every 2 steps.

@@ -1,6 +1,6 @@
 """A Trainer run attached to a safeckpt root, as its own process (tests/test_hf.py kills it).
 
-    python tests/hf_worker.py ROOT OUTPUT_DIR RESULT [--steps N] [--rows R] [--pace SECONDS]
+    python tests/support/hf_worker.py ROOT OUTPUT_DIR RESULT [--steps N] [--rows R] [--pace SECONDS]
 
 Prints ``step N`` (flushed) at each step's end, so the parent can kill it at a chosen step, and
 ``resumed N`` once it resumed; writes the final weights to RESULT (torch.save) when training ends.
