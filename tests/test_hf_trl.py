@@ -7,17 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import hf_toy
 import pytest
 import torch
 
+import hf_toy
+
 pytest.importorskip("trl")
 
-import safeckpt.hf  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+import safeckpt.hf
 
 WORDS = hf_toy.VOCAB - 3
 
@@ -26,7 +28,8 @@ def tokenizer() -> Any:
     vocab = {w: i for i, w in enumerate(["[PAD]", "[EOS]", "[UNK]", *(f"w{i}" for i in range(WORDS))])}
     words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    special = {"pad_token": "[PAD]", "eos_token": "[EOS]", "unk_token": "[UNK]"}
+    return PreTrainedTokenizerFast(tokenizer_object=words, **special)
 
 
 def texts(n: int = 32) -> Dataset:
