@@ -23,7 +23,7 @@ PYTEST_PARALLEL ?= -n 2 --dist loadfile
 FALLBACK_TESTS := tests/test_torch_private.py tests/test_dcp_io.py tests/test_save_plans.py \
 	tests/test_state.py tests/test_state_dicts.py tests/test_state_restore.py tests/test_state_legacy.py \
 	tests/test_state_dist.py tests/test_per_rank.py tests/test_restore_aliasing.py tests/test_restored.py \
-	tests/test_manager.py tests/test_async.py tests/test_integrity.py tests/test_crash.py tests/test_edges.py \
+	tests/test_manager.py tests/test_async.py tests/test_checksums.py tests/test_crash.py tests/test_edges.py \
 	tests/test_failure_paths.py tests/test_preemption.py tests/test_guards.py tests/test_direct_read.py \
 	tests/test_export.py tests/test_cli.py tests/test_cli_inspect.py tests/test_cli_damaged.py \
 	tests/test_lightning.py \
@@ -95,6 +95,7 @@ demo-azure: $(VENV)/.installed-demo-azure tests/npm/node_modules/.installed
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	SAFECKPT_TORCH_PRIVATE=0 $(PY) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(FALLBACK_TESTS) $(PYTEST_ARGS)
 
@@ -107,6 +108,7 @@ test-slow: setup system-deps
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PIP) install -q -c constraints/ci.txt -e '.[test,bench]'

@@ -1,4 +1,4 @@
-"""The S3 server of the ``s3://`` benchmarks: a moto server on 127.0.0.1 (``tests/s3_server.py``),
+"""The S3 server of the ``s3://`` benchmarks: a moto server on 127.0.0.1 (``tests/support/s3_server.py``),
 the ``AWS_*`` variables pointed at it, and a new bucket."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_version
 

@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/bench_outage.py
 
-A moto server (``tests/s3_server.py``) behind the fault proxy of the tests (``tests/s3_proxy.py``),
-which plays the outage: its port closed (refused) or every connection accepted and never answered
-(hang, the worst case: each attempt waits for its timeouts). Measured with the defaults
-(``timeout`` 30 s, ``read_timeout`` 20 s, ``connect_timeout`` 5 s):
+A moto server (``tests/support/s3_server.py``) behind the fault proxy of the tests
+(``tests/support/s3_proxy.py``), which plays the outage: its port closed (refused) or every
+connection accepted and never answered (hang, the worst case: each attempt waits for its
+timeouts). Measured with the defaults (``timeout`` 30 s, ``read_timeout`` 20 s, ``connect_timeout`` 5 s):
 
 * a closed port at open: ``CheckpointManager(...)`` and ``safeckpt ls`` until their
   ``RootUnreachableError``, on a quiet machine and with every core busy (target: under 15 s);
@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 import torch
 

@@ -2,12 +2,12 @@
 
     .venv/bin/python benchmarks/bench_restart.py [--rounds 3]
 
-Each round runs a real training job (``tests/owner_worker.py``, the library's default heartbeat
+Each round runs a real training job (``tests/support/owner_worker.py``, the library's default heartbeat
 and lease), kills it with -9 after its second commit, and starts the next job at once: on the
 same machine, or on another one (a UTS namespace of its own with another hostname, as
-``tests/other_host.py`` plays it; needs root). The times are the restarted job's own, from its
+``tests/support/other_host.py`` plays it; needs root). The times are the restarted job's own, from its
 start: the constructor returning (it owns the root), the restore, and its first commit. Local
-root and ``s3://`` on a moto server (``tests/s3_server.py``). Targets: on another machine, the
+root and ``s3://`` on a moto server (``tests/support/s3_server.py``). Targets: on another machine, the
 first commit within 45 s of the start; on the same machine, within 5 s of the restore.
 Prints Markdown; exits 77 without moto or ``unshare``.
 """
@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from bench_moto import SKIPPED, with_bucket
 from other_host import can_fake_hosts, on_host

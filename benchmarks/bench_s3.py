@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_s3.py [--size-mib 192] [--reps 5]
     .venv/bin/python benchmarks/run_all.py --only bench_s3     # into benchmarks/results.md
 
-Starts its own moto server on 127.0.0.1 (``tests/s3_server.py``): moto keeps objects in memory
+Starts its own moto server on 127.0.0.1 (``tests/support/s3_server.py``): moto keeps objects in memory
 and serves them from Python, so absolute times are the server's, and the rows compare safeckpt
 with what moves the same bytes to the same server:
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 import safeckpt
 from bench_common import build_state, host_buffers, memcpy

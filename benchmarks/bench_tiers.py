@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/run_all.py --only bench_tiers     # into benchmarks/results.md
 
 The durable tier is an ``s3://`` prefix on a moto server this script starts on 127.0.0.1
-(``tests/s3_server.py``); the local tier a directory on this machine's disk. Both managers save
+(``tests/support/s3_server.py``); the local tier a directory on this machine's disk. Both managers save
 the same state to the same server in the same run, in rounds (each round saves once with each,
 in a rotated order). Rows, each a median over the rounds: how long ``save()`` blocks (async),
 then how long until the save is committed locally (``wait()``) and until it is committed in the
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 import safeckpt
 from bench_common import build_state

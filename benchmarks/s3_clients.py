@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/s3_clients.py                      # 64 MiB, 200 x 4 KiB, 3 repeats
     .venv/bin/python benchmarks/s3_clients.py --repeats 5 --json out.json
 
-Starts its own moto S3 server (tests/s3_server.py) on 127.0.0.1 and runs every client against it
+Starts its own moto S3 server (tests/support/s3_server.py) on 127.0.0.1 and runs every client against it
 in the same run, interleaved (the client order rotates each repetition), so the machine's noise
 moves them together. For each client:
 
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_version
 
 MIB = 1 << 20

@@ -9,6 +9,7 @@ hash. Exits non-zero if anything differs. The server and its objects live only w
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -16,9 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import argparse
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from s3_server import S3Server
 
 STEPS, KILL_AT = "200", "120"

@@ -4,9 +4,14 @@ take the ``root_dir`` fixture, which is parametrised over the filesystems."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
+
+# What the tests use and start (servers, fixtures, faults, worker processes) is in tests/support,
+# imported by module name; a worker run as a script finds the others beside it.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 pytest_plugins = [
     "azurite_server",

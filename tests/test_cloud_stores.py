@@ -24,7 +24,7 @@ from safeckpt._store.registry import open_store
 
 pytestmark = pytest.mark.timeout(600)
 
-WORKER = Path(__file__).with_name("cloud_crash_worker.py")
+WORKER = Path(__file__).parent / "support" / "cloud_crash_worker.py"
 SMALL_PARTS = {"part_size": 256 << 10, "max_concurrency": 2}
 
 

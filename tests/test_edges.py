@@ -93,7 +93,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_restarted_quickstart_loop_resumes_past_a_damaged_step_every_time(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     code = "import sys, edge_worker; edge_worker.quickstart(*sys.argv[1:])"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "support"), *sys.path])}
 
     def run(last: int) -> int:
         out = tmp_path / "started_at"
@@ -653,7 +653,7 @@ def test_a_damaged_step_that_cannot_be_moved_aside_does_not_block_an_earlier_sav
     flip(shard_of(root, 120))
     (root / ".damaged").mkdir()
     (root / ".damaged").chmod(0o555)  # the move aside fails (EACCES): step 120 stays where it is
-    proc = run_unprivileged(UNPRIVILEGED_RESUME, str(root), str(Path(__file__).parent))
+    proc = run_unprivileged(UNPRIVILEGED_RESUME, str(root), str(Path(__file__).parent / "support"))
     assert proc.returncode == 0, proc.stderr[-3000:]  # InvalidSaveError before: "step 120 is already saved"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["restored"] == 110 and out["whole"], out

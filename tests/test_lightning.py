@@ -50,7 +50,7 @@ from safeckpt._fs.fileops import FileOps
 from safeckpt.lightning import ManagedCheckpoint, SafeCheckpointIO, StorageOptionsError
 from safeckpt.testing import FileHolder, Linger
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "support"  # the workers it starts
 QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False, "accelerator": "cpu"}
 
 warnings.filterwarnings("ignore", module="lightning")

@@ -224,6 +224,17 @@ def test_a_checkpoint_that_did_not_upload_whole_gets_no_version(
     assert versions(MlflowClient(sqlite_uri), name) == {}
 
 
+def test_a_checkpoint_on_object_storage_is_refused_before_mlflow_is_asked() -> None:
+    # MLflow logs a local directory's files: an s3:// URL taken for a path was a directory that is
+    # not there, and the registration failed as an upload that "did not reach MLflow whole".
+    registrar = MlflowRegistrar("m", tracking_uri="http://127.0.0.1:9")
+    record = Record(step=5, time=1.0, files={})
+    with pytest.raises(ConfigError, match="is on object storage") as info:
+        registrar.register(5, "s3://bucket/run/step_5", record)
+    assert info.value.path == "s3://bucket/run/step_5" and info.value.step == 5
+    assert registrar._client is None  # no MLflow client made: nothing was sent
+
+
 def first_status(root: Path, step: int) -> str | None:
     """Wait for the first registration outcome of ``step`` (nothing retries it before the next commit)."""
     deadline = time.monotonic() + _HANG

@@ -1,7 +1,7 @@
 """Object storage that goes away: every call ends within its bound, with a CheckpointError, and
 training catches up when the storage is back (safeckpt._util.reachability, the S3 client).
 
-The outage is played by the fault proxy in front of the test server (tests/s3_proxy.py): its port
+The outage is played by the fault proxy in front of the test server (tests/support/s3_proxy.py): its port
 closed (refused), each connection reset as it comes (drop), or accepted and never answered (hang).
 The tests set a short ``timeout`` (storage_options) so that each takes seconds; the bound with the
 defaults is measured by benchmarks/bench_outage.py.

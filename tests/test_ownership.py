@@ -1,7 +1,7 @@
 """One writer per root, decided before a restore, by evidence (safeckpt._root.ownership).
 
-Other machines are played by processes in a UTS namespace of their own (tests/other_host.py),
-each a real training job (tests/owner_worker.py) on a local root or on the S3 test server. The
+Other machines are played by processes in a UTS namespace of their own (tests/support/other_host.py),
+each a real training job (tests/support/owner_worker.py) on a local root or on the S3 test server. The
 jobs promise a short heartbeat (``--beat 0.5 --dead-after 3``) so the tests take seconds; the
 time a restart takes with the library's defaults is measured by benchmarks/bench_restart.py.
 """
@@ -27,7 +27,7 @@ from other_host import needs_other_host, on_host
 from safeckpt import CheckpointManager, RootInUseError, read_owner
 from safeckpt._root import owner_record
 
-WORKER = str(Path(__file__).with_name("owner_worker.py"))
+WORKER = str(Path(__file__).parent / "support" / "owner_worker.py")
 SHORT = ["--beat", "0.5", "--dead-after", "3", "--lease", "4"]
 
 pytestmark = needs_other_host

@@ -12,7 +12,7 @@ import torch
 
 import safeckpt
 
-WORKER = Path(__file__).with_name("s3_crash_worker.py")
+WORKER = Path(__file__).parent / "support" / "s3_crash_worker.py"
 RECORD = "metadata.json"
 
 pytestmark = pytest.mark.timeout(900)

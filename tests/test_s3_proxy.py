@@ -1,4 +1,4 @@
-"""The fault proxy (tests/s3_proxy.py), each rule proven with a plain boto3 client through it.
+"""The fault proxy (tests/support/s3_proxy.py), each rule proven with a plain boto3 client through it.
 
 The clients are configured like safeckpt's (botocore retries mode "standard", path-style, checksums
 only where the caller gives them), so what these tests find about retries holds for safeckpt too.

@@ -1,4 +1,4 @@
-"""The S3 test server (tests/s3_server.py): a fresh bucket per test, env that does not leak, and a
+"""The S3 test server (tests/support/s3_server.py): a fresh bucket per test, env that does not leak, and a
 conditional-write check that really catches a server answering 200 where S3 answers 412."""
 
 from __future__ import annotations

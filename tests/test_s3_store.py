@@ -302,8 +302,7 @@ def test_a_saves_data_objects_are_spread_over_prefixes_and_listed_at_their_names
     store = open_store(s3_bucket.url("spread"))
     names = [f"__{rank}_0.distcp" for rank in range(64)]
     for name in names:
-        with store.open_write(f".staging/a/{name}") as stream:
-            stream.write(name.encode())
+        store.write_stream(f".staging/a/{name}", lambda stream, name=name: stream.write(name.encode()))
     store.write_atomic(".staging/a/metadata.json", b"{}")
     store.write_atomic(".staging/a/.metadata", b"dcp")
     keys = [k.removeprefix("spread/.staging/a/") for k in _keys_under(s3_bucket, "spread/.staging/a/")]
@@ -324,8 +323,7 @@ def test_a_saves_data_objects_are_spread_over_prefixes_and_listed_at_their_names
     store.remove("step_9")
     assert not _keys_under(s3_bucket, "spread/.staging/")
     # Outside a save's area (a DCP checkpoint some other tool wrote), keys are as named.
-    with store.open_write("theirs/__0_0.distcp") as stream:
-        stream.write(b"x")
+    store.write_stream("theirs/__0_0.distcp", lambda stream: stream.write(b"x"))
     assert _keys_under(s3_bucket, "spread/theirs/") == ["spread/theirs/__0_0.distcp"]
 
 

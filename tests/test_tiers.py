@@ -28,7 +28,7 @@ from safeckpt.errors import ConfigError, SaveFailedError
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKER = Path(__file__).parent / "tier_worker.py"
+WORKER = Path(__file__).parent / "support" / "tier_worker.py"
 
 
 @pytest.fixture(params=["posix", "s3"])

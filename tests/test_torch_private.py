@@ -22,7 +22,7 @@ from notice import NOTICE
 from safeckpt._util import public_fallbacks
 from safeckpt._util import torch_private as door
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "support"  # the workers it starts
 SRC = HERE.parent / "src" / "safeckpt"
 
 DTENSOR = "torch.distributed.tensor"

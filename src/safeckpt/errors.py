@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 
 class CheckpointError(Exception):
@@ -39,7 +39,10 @@ class CheckpointError(Exception):
         return self.message
 
 
-def _rebuild(cls: type[CheckpointError], message: str, fields: dict[str, Any]) -> CheckpointError:
+_E = TypeVar("_E", bound=CheckpointError)
+
+
+def _rebuild(cls: type[_E], message: str, fields: dict[str, Any]) -> _E:
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     error.__dict__.update(fields)
@@ -89,6 +92,8 @@ class InvalidSaveError(CheckpointError, ValueError):
 
 class UnsupportedStateError(CheckpointError, TypeError):
     """A value in the state cannot be saved without pickle, or loaded into what was given."""
+
+    subject: Any = None  # the object whose path in the state the error names, once found
 
 
 class SaveFailedError(CheckpointError):
@@ -220,8 +225,8 @@ class RootUnreachableError(CheckpointError, ConnectionError):
 
 def _rebuild_unreachable(message: str, fields: dict[str, Any], errno: int | None) -> RootUnreachableError:
     error = _rebuild(RootUnreachableError, message, fields)
-    error.errno = errno  # type: ignore[misc]
-    return error  # type: ignore[return-value]
+    error.errno = errno
+    return error
 
 
 class ManagerClosedError(CheckpointError, RuntimeError):

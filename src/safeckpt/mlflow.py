@@ -27,6 +27,7 @@ from typing import Any
 from ._format.layout import RECORD_NAME
 from ._format.record import Record
 from ._registration.worker import CommitInfo, best_metric
+from ._store.registry import local_path
 from ._version import __version__
 from .errors import CheckpointError, ConfigError
 
@@ -175,15 +176,26 @@ class MlflowRegistrar:
 
     # --- registering ------------------------------------------------------------------
 
-    def register(self, step: int, path: Path, record: Record) -> dict[str, Any]:
-        """Create (or find) the version of this commit and move the aliases. Raises on MLflow errors."""
+    def register(self, step: int, path: Path | str, record: Record) -> dict[str, Any]:
+        """Create (or find) the version of this commit and move the aliases. Raises on MLflow errors,
+        and with :class:`ConfigError` for a checkpoint on object storage (``path`` a URL): MLflow
+        logs the files of a local directory."""
+        local = local_path(path)
+        if local is None:
+            raise ConfigError(
+                f"MlflowRegistrar uploads a checkpoint's files from a local directory, and {path} is "
+                "on object storage: register the checkpoints of a local root, or log this one to "
+                "MLflow from a local copy.",
+                path=str(path),
+                step=step,
+            )
         client = self._get_client()
-        path = Path(path)
-        root = str(path.parent)
+        directory = Path(local)
+        root = str(directory.parent)
         time_tag = repr(record.time)
         version = self._find(client, step, root, time_tag)
         if version is None:
-            version = self._create(client, step, path, record, root, time_tag)
+            version = self._create(client, step, directory, record, root, time_tag)
         else:
             logger.info(
                 "safeckpt: step %d is already version %s of %s", step, version.version, self.model_name
@@ -295,6 +307,7 @@ class MlflowRegistrar:
             if current is not None and str(current.version) == str(version.version):
                 moved.append(alias)
                 continue
+            move: bool | None
             if role == "latest":
                 move = current is None or not _tag_float(current, TAG_TIME) > record.time
             else:

@@ -15,6 +15,7 @@ protocol.
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -180,7 +181,7 @@ class AzureClient:
         self._ok(self._request("PUT", f"{self._url(key)}?{query}", key, body=data, headers=headers), key)
         return block
 
-    def finish_upload(self, key: str, upload_id: str, parts: list[Any]) -> str:
+    def finish_upload(self, key: str, upload_id: str, parts: builtins.list[Any]) -> str:
         """Put Block List: the blob appears, whole."""
         body = "".join(f"<Latest>{block}</Latest>" for block in parts)
         data = f'<?xml version="1.0" encoding="utf-8"?><BlockList>{body}</BlockList>'.encode()
@@ -204,7 +205,7 @@ class AzureClient:
             if 200 <= reply.status < 300:
                 self.delete(key)
 
-    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+    def uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
         """None to list: uncommitted blocks are no blob, and Azure discards them after a week."""
         return []
 

@@ -18,7 +18,7 @@ import pickle
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         # A whole plain tensor is what DCP's lookup and narrowing give, without their checks (3 us
         # of every item of a 10,000-tensor restore); everything else goes through them.
-        tensor = self.state_dict.get(read_item.dest_index.fqn)
+        tensor: Any = self.state_dict.get(read_item.dest_index.fqn)
         offset = read_item.dest_index.offset  # DCP: None, or the zeros of the tensor's rank
         if (
             type(tensor) in _PLAIN
@@ -170,7 +170,8 @@ def _whole_tensor_plan(state_dict: Mapping[str, Any], metadata: Any) -> LoadPlan
         zeros = index.offset
         items.append(_WholeRead(tensor_type, index, zeros, index, zeros, size))
         infos.append(info)
-    return LoadPlan(items, storage_data=infos)
+    # tuples with ReadItem's fields, which is all DCP reads of them
+    return LoadPlan(cast("list[ReadItem]", items), storage_data=infos)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -34,7 +34,9 @@ def nest_for_dcp(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def flatten_nested(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
+def flatten_nested(
+    nested: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
     """What DCP's ``flatten_state_dict`` gives for :func:`nest_for_dcp`'s output, without its walk.
 
     DCP's walk costs Python time per tensor on every save and restore. None for anything else
@@ -42,7 +44,7 @@ def flatten_nested(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     alike): DCP then flattens.
     """
     flat: dict[str, Any] = {}
-    paths: dict[str, tuple[str, ...]] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}  # DCP's FLATTEN_MAPPING
     for head, value in nested.items():
         if not isinstance(head, str):
             return None

@@ -138,10 +138,15 @@ class _SafeSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         # DCP's lookup builds a torch.Size per item to check a plain tensor's zero offsets.
-        obj = self.state_dict.get(write_item.index.fqn)
+        obj: Any = self.state_dict.get(write_item.index.fqn)
         offset = write_item.index.offset
-        plain = type(obj) in _PLAIN and write_item.type is WriteItemType.TENSOR and offset is not None
-        if plain and len(offset) == obj.dim() and not any(offset):
+        if (
+            type(obj) in _PLAIN
+            and write_item.type is WriteItemType.TENSOR
+            and offset is not None
+            and len(offset) == obj.dim()
+            and not any(offset)
+        ):
             return obj
         return super().resolve_data(write_item)
 
@@ -211,9 +216,10 @@ def _plain_items(state_dict: dict[str, Any], inputs: _Inputs) -> list[WriteItem]
     zeros: dict[int, torch.Size] = {}
     items = []
     for (fqn, tensor), size, kind, pin in zip(state_dict.items(), sizes, kinds, pinned, strict=True):
-        props = properties.get((*kind, pin))
+        key = (*kind, pin)
+        props = properties.get(key)
         if props is None:
-            props = properties[(*kind, pin)] = TensorProperties.create_from_tensor(tensor)
+            props = properties[key] = TensorProperties.create_from_tensor(tensor)
         zero = zeros.get(len(size))
         if zero is None:
             zero = zeros[len(size)] = torch.Size([0] * len(size))

@@ -187,9 +187,9 @@ def checksums_of(
     if for_load and not options.current().verify:
         return None
     if record is None or record.checksums is None:
-        key = str(directory)
-        if key not in _warned_unverifiable:
-            _warned_unverifiable.add(key)
+        shown = str(directory)
+        if shown not in _warned_unverifiable:
+            _warned_unverifiable.add(shown)
             logger.warning(
                 "safeckpt: %s was written without checksums (before safeckpt 0.2, or not by "
                 "safeckpt); its bytes cannot be verified as they load",
@@ -203,7 +203,7 @@ def checksums_of(
         cached = _parsed_checksums.get(key)
     if cached is None:
         # Parsed once per checkpoint: a restore of 10^4 tensors asks for them many times.
-        cached = parse_checksums(record.checksums, record.files, where=str(directory / "metadata.json"))
+        cached = parse_checksums(record.checksums, record.files, where=f"{directory}/metadata.json")
         with _last_parsed_lock:
             if _keeping:
                 _parsed_checksums.clear()

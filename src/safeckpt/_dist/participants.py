@@ -117,10 +117,10 @@ class Participants:
         """Every rank's ``obj``, in rank order. Collective over ``group``."""
         if not self.distributed:
             return [obj]
-        self._check_group(group)
+        live = self._live(group)
         out: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(out, obj, group=group)
+            dist.all_gather_object(out, obj, group=live)
         except Exception as e:
             raise self._lost(what, e) from e
         return out
@@ -129,10 +129,10 @@ class Participants:
         """Rank 0's ``obj`` on every rank. Collective over ``group``."""
         if not self.distributed:
             return obj
-        self._check_group(group)
+        live = self._live(group)
         box = [obj]
         try:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(live, 0), group=live)
         except Exception as e:
             raise self._lost(what, e) from e
         return box[0]
@@ -161,13 +161,14 @@ class Participants:
         raise agreed_error(failures, what=what, step=step)
 
     @staticmethod
-    def _check_group(group: dist.ProcessGroup | None) -> None:
+    def _live(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         # None would silently mean the default group: here it means release() ran
         if group is None:
             raise CheckpointError(
                 "the manager's process groups were shut down (by close(), or as the interpreter "
                 "exits); create a new manager."
             )
+        return group
 
     def _lost(self, what: str, cause: Exception) -> RankAgreementError:
         return RankAgreementError(

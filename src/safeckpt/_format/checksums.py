@@ -30,7 +30,8 @@ try:  # hardware CRC32 (PCLMULQDQ), same values as zlib.crc32
     from zlib_ng.zlib_ng import crc32, crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; isal is as fast
     try:
-        from isal.isal_zlib import crc32, crc32_combine
+        # the same functions as zlib-ng's; isal has no type information
+        from isal.isal_zlib import crc32, crc32_combine  # type: ignore[no-redef]
     except ImportError:
         from zlib import crc32
 

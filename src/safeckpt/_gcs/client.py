@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import datetime
 import errno
@@ -260,7 +261,7 @@ class GcsClient:
         upload.md5.update(data)
         upload.offset += len(data)
 
-    def finish_upload(self, key: str, upload_id: str, parts: list[Any]) -> str:
+    def finish_upload(self, key: str, upload_id: str, parts: builtins.list[Any]) -> str:
         upload = self._upload(key, upload_id)
         tail = upload.tail
         total = upload.offset + len(tail)
@@ -291,7 +292,7 @@ class GcsClient:
             with contextlib.suppress(ObjectStoreError):
                 self._request("DELETE", upload_id, key)  # 499: cancelled; 404/410: gone already
 
-    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+    def uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
         """None to list: an unfinished resumable upload is no object and expires by itself."""
         return []
 

@@ -11,6 +11,7 @@ next ``save()`` waits for the staging slot and not for the whole previous write.
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import operator
 import queue
@@ -30,12 +31,27 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-# A job's life: QUEUED -> WRITING -> COMMITTED, or QUEUED -> CANCELLED, or -> FAILED.
-QUEUED = "queued"
-WRITING = "writing"
-COMMITTED = "committed"
-CANCELLED = "cancelled"
-FAILED = "failed"
+
+class SaveState(str, enum.Enum):
+    """A save's life: QUEUED -> WRITING -> COMMITTED, or QUEUED -> CANCELLED, or -> FAILED.
+
+    A ``str`` too, so that the public ``SaveStatus.status`` still equals and prints as
+    ``"committed"``."""
+
+    QUEUED = "queued"
+    WRITING = "writing"
+    COMMITTED = "committed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+QUEUED, WRITING, COMMITTED, CANCELLED, FAILED = SaveState
 
 
 def _pin_available() -> bool:
@@ -69,7 +85,7 @@ class StagingSlot:
     def nbytes(self) -> int:
         total = 0
         for buf in self._buffers.values():
-            local = local_part(buf)
+            local = local_shard(buf)
             total += local.numel() * local.element_size()
         return total
 
@@ -111,8 +127,8 @@ class StagingSlot:
                 special = set(self._flat_special)
                 host_src = [s for i, s in enumerate(sources) if i not in special]
                 for i in self._flat_special:
-                    local = local_part(sources[i])
-                    local_part(bufs[i]).copy_(local, non_blocking=local.device.type == "cuda" and self.pin)
+                    local = local_shard(sources[i])
+                    local_shard(bufs[i]).copy_(local, non_blocking=local.device.type == "cuda" and self.pin)
             else:
                 host_src = sources
             if host_src:
@@ -152,11 +168,11 @@ class StagingSlot:
         self._flat_meta = metas
         self._flat_bufs = bufs
         self._flat_special = [
-            i for i, s in enumerate(sources) if _is_dtensor(s) or local_part(s).device.type != "cpu"
+            i for i, s in enumerate(sources) if _is_dtensor(s) or local_shard(s).device.type != "cpu"
         ]
         special = set(self._flat_special)
         self._flat_host_dst = [b for i, b in enumerate(bufs) if i not in special]
-        self._flat_device = any(local_part(sources[i]).device.type != "cpu" for i in self._flat_special)
+        self._flat_device = any(local_shard(sources[i]).device.type != "cpu" for i in self._flat_special)
 
     def _stage(
         self, value: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]], device_copy: list[bool]
@@ -173,12 +189,12 @@ class StagingSlot:
         return copy.deepcopy(value)
 
     def _copy(self, tensor: torch.Tensor, path: tuple[Any, ...], device_copy: list[bool]) -> Any:
-        source = local_part(tensor).detach()
+        source = local_shard(tensor).detach()
         buf = self._buffers.get(path)
         if buf is None or not _fits(buf, tensor):
             buf = self._allocate(tensor)
             self._buffers[path] = buf
-        target = local_part(buf)
+        target = local_shard(buf)
         non_blocking = source.device.type == "cuda" and self.pin
         target.copy_(source, non_blocking=non_blocking)
         if source.device.type != "cpu":
@@ -187,7 +203,7 @@ class StagingSlot:
 
     def _allocate(self, tensor: torch.Tensor) -> Any:
         self.allocations += 1
-        local = local_part(tensor)
+        local = local_shard(tensor)
         host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
         if DTensor is not None and isinstance(tensor, DTensor):
             # Keep the DTensor wrapper (mesh, placements, global shape) around a host local
@@ -205,14 +221,14 @@ def _is_dtensor(tensor: Any) -> bool:
     return DTensor is not None and isinstance(tensor, DTensor)
 
 
-def local_part(tensor: Any) -> torch.Tensor:
+def local_shard(tensor: Any) -> torch.Tensor:
     """A DTensor's local shard, or the tensor itself."""
     if DTensor is not None and isinstance(tensor, DTensor):
         return dtensor_local(tensor)
     return tensor
 
 
-def _fits(buf: Any, tensor: torch.Tensor) -> bool:
+def _fits(buf: Any, tensor: Any) -> bool:  # tensor: a Tensor or a DTensor
     is_dtensor = DTensor is not None and isinstance(tensor, DTensor)
     if is_dtensor != (DTensor is not None and isinstance(buf, DTensor)):
         return False
@@ -222,7 +238,7 @@ def _fits(buf: Any, tensor: torch.Tensor) -> bool:
         or buf.shape != tensor.shape
     ):
         return False
-    local, source = local_part(buf), local_part(tensor)
+    local, source = local_shard(buf), local_shard(tensor)
     return local.shape == source.shape and local.dtype == source.dtype
 
 

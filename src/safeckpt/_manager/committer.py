@@ -78,7 +78,7 @@ class Committer:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,  # as messages name it
         retention: Retention | Policy,
         *,
         ranks: Participants,
@@ -425,7 +425,7 @@ class Committer:
         try:
             latest = self._view.latest
             entry = self._view.get(latest) if latest is not None else None
-            if entry is not None and worker.saw_commit:
+            if latest is not None and entry is not None and worker.saw_commit:
                 worker.submit(
                     CommitInfo.of(
                         latest,

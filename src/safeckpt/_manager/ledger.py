@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .background import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING
+from .background import CANCELLED, COMMITTED, FAILED, QUEUED, WRITING, SaveState
 
 TERMINAL = (COMMITTED, CANCELLED, FAILED)
 
@@ -36,7 +36,7 @@ class Flight:
     ``remove_after`` after :meth:`SaveLedger.finish` without the lock.
     """
 
-    status: str = QUEUED
+    status: SaveState = QUEUED
     cancel_requested: bool = False
     """A cancellation that :meth:`SaveLedger.start` carries out (unless withdrawn first)."""
     remove_after: bool = False
@@ -99,7 +99,7 @@ class SaveLedger(Generic[K, E]):
             entry.status = WRITING
             return True
 
-    def finish(self, entry: E, status: str, error: BaseException | None = None) -> bool:
+    def finish(self, entry: E, status: SaveState, error: BaseException | None = None) -> bool:
         """``entry`` ended as ``status`` (with ``error``, if any); whether this call ended it.
 
         Only the first terminal state counts: a later one (a failure while cleaning
@@ -185,6 +185,6 @@ class SaveLedger(Generic[K, E]):
         deadline = time.monotonic() + timeout
         return all(entry.done.wait(max(0.0, deadline - time.monotonic())) for entry in pending)
 
-    def _end(self, entry: E, status: str) -> None:
+    def _end(self, entry: E, status: SaveState) -> None:
         entry.status = status
         self._flight.pop(entry, None)

@@ -34,6 +34,7 @@ from .._policy.retention import Policy, Retention, is_policy
 from .._policy.schedule import SaveSchedule
 from .._registration.registrar import Registrar
 from .._restore.restored import Restored
+from .._store.loc import shown
 from .._store.registry import open_store
 from .._util.validate import positive_int, positive_seconds, seconds
 from ..errors import ConfigError, ManagerClosedError
@@ -174,7 +175,7 @@ class CheckpointManager:
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         store = open_store(root, ops=file_ops, options=storage_options)
-        self.root = store.where("")
+        self.root = shown(store)
         self.read_only = bool(read_only)
         self.async_save = async_save
         self.retention = retention if retention is not None else Retention()

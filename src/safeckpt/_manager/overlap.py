@@ -45,13 +45,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .._state.walk import Captured
 from .._util.torch_private import foreach_copy_
 from ..errors import SaveFailedError
-from .background import StagingSlot, local_part
+from .background import StagingSlot, local_shard
 
 logger = logging.getLogger("safeckpt.manager")
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return local_part(tensor).untyped_storage().data_ptr()
+    return local_shard(tensor).untyped_storage().data_ptr()
 
 
 @dataclass
@@ -298,16 +298,16 @@ def plan_copy(
     now: list[tuple[torch.Tensor, torch.Tensor]] = []
     groups: dict[str, _Group] = {}
     for key, source in sources.items():
-        local, target = local_part(source).detach(), local_part(targets[key])
+        local, target = local_shard(source).detach(), local_shard(targets[key])
         storage = _storage_key(source)
-        what = guard_of.get(storage)
-        if what is None or storage in shared:
+        guard = guard_of.get(storage)
+        if guard is None or storage in shared:
             now.append((target, local))
             continue
-        if what not in groups:
-            groups[what] = _Group(what, [], owners[what])
-        groups[what].copies.append(_Copy(key, local, target, local._version))
-        groups[what].storages.add(storage)
+        if guard not in groups:
+            groups[guard] = _Group(guard, [], owners[guard])
+        groups[guard].copies.append(_Copy(key, local, target, local._version))
+        groups[guard].storages.add(storage)
     # Buffers first: the next forward needs them before the step needs the optimizer's tensors.
     ordered = sorted(groups.values(), key=lambda g: isinstance(g.owners[0], torch.optim.Optimizer))
     return now, ordered

@@ -30,7 +30,7 @@ class Pins:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,  # as messages name it
         *,
         ranks: Participants,
         view: SaveView,

@@ -66,7 +66,7 @@ class Resumer:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,  # as messages name it
         *,
         ranks: Participants,
         layout: Layout,
@@ -165,7 +165,7 @@ class Resumer:
                 if rereads > REREADS:
                     raise kept_changing(directory, record)
         except Exception as e:  # a later attempt's error, or a refusal to fall back
-            if filled:
+            if filled and hasattr(e, "add_note"):  # Python 3.11 and later
                 e.add_note(
                     f"safeckpt: the state is not as it was: step {filled[0]} filled part of it in place "
                     "before its damage was found. Build it anew before training on it."
@@ -244,7 +244,7 @@ class Resumer:
         return next((i for i, t in enumerate(self._roots) if t.store.url == directory.store.url), 0)
 
     def _choose_here(
-        self, step: int | None, path: str | os.PathLike[str] | None, excluded: list[set[int]]
+        self, step: int | None, path: Loc | str | os.PathLike[str] | None, excluded: list[set[int]]
     ) -> tuple[Loc, Record] | None:
         if self._copies is not None:
             return self._copies.choose(step, path, excluded=excluded, on_damaged=self._damaged_at_choice)
@@ -259,7 +259,7 @@ class Resumer:
         ranks = self._ranks
         if not ranks.distributed:  # nothing to send: the record as read (no round trip through JSON)
             return self._choose_here(step, path, excluded)
-        choice: tuple[str, dict[str, Any]] | None = None
+        choice: tuple[Loc, dict[str, Any]] | None = None
         error: BaseException | None = None
         if ranks.is_leader:
             try:
@@ -362,7 +362,7 @@ class Resumer:
         self._outcomes.share_view(self._ranks.control, what="the checkpoints after a restore")
 
 
-def _partly_filled(root: Path, steps: list[int]) -> IncompleteCheckpointError:
+def _partly_filled(root: Path | str, steps: list[int]) -> IncompleteCheckpointError:
     return IncompleteCheckpointError(
         f"no checkpoint in {root} can be loaded: step(s) {', '.join(map(str, steps))} failed while "
         "being read (the warnings above say why), after filling part of the state in place, and no "

@@ -38,7 +38,7 @@ class Saver:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | str,  # as messages name it
         *,
         token: str,
         save_rng: bool,

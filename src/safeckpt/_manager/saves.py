@@ -17,17 +17,17 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import monotonic
 from typing import Any
 
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo, Policy, Retention, explain, plan_removals
 from .._store.loc import Loc
 from ..errors import CheckpointError
-from .background import COMMITTED, QUEUED, WRITING, StagingPool, StagingSlot
+from .background import COMMITTED, QUEUED, WRITING, SaveState, StagingPool, StagingSlot
 from .ledger import Flight, SaveLedger
 from .overlap import OverlappedCopy
 
@@ -53,7 +53,7 @@ class SaveJob(Flight):
     slot: StagingSlot | None = None
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # this rank committed it in its root (set by the commit itself)
-    submitted: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=monotonic)  # (the field `time` hides the module here)
 
     @functools.cached_property
     def train_state(self) -> bytes:
@@ -230,7 +230,7 @@ class SaveView:
         """The writer picked ``job`` up: it is cancelled (and leaves the view) or being written."""
         self._jobs.start(job, cancel=cancel)
 
-    def finish(self, job: SaveJob, status: str, error: BaseException | None = None) -> bool:
+    def finish(self, job: SaveJob, status: SaveState, error: BaseException | None = None) -> bool:
         """``job`` left flight as ``status``; an ``error`` is kept until it is raised.
 
         Only the first terminal state counts (a failure while cleaning up after

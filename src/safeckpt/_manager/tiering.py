@@ -123,7 +123,7 @@ class Copies(Protocol):
     def choose(
         self,
         step: int | None,
-        path: str | os.PathLike[str] | None,
+        path: Loc | str | os.PathLike[str] | None,
         *,
         excluded: Sequence[Collection[int]],
         on_damaged: Callable[[Loc, Record | None, Exception], None],

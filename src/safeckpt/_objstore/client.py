@@ -21,6 +21,7 @@ they handle a filesystem's):
 
 from __future__ import annotations
 
+import builtins
 import errno
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -144,7 +145,8 @@ class ObjectClient(Protocol):
         """Part ``number`` (from 1); what :meth:`finish_upload` needs of it."""
         ...
 
-    def finish_upload(self, key: str, upload_id: str, parts: list[Any]) -> str:
+    # builtins.list: below the method list(), the name `list` in this class is that method
+    def finish_upload(self, key: str, upload_id: str, parts: builtins.list[Any]) -> str:
         """The object appears, whole; its token."""
         ...
 
@@ -152,7 +154,7 @@ class ObjectClient(Protocol):
         """Abandon it (finished or abandoned already: no error)."""
         ...
 
-    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+    def uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
         """Unfinished uploads under ``prefix``: ``(key, upload id)`` (none where the service cannot
         list them: say so once)."""
         ...

@@ -99,17 +99,18 @@ class _RawWriter(RawFileSystemWriter):
     def __init__(self, store: Any, base: str) -> None:
         # sync_files off: an object is durable once its upload completes (no fsync, no os.sync()).
         super().__init__(base, direct_io=False, sync_files=False, single_file_per_rank=True, thread_count=1)
-        self.fs = ObjectFileSystem(store)
+        self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
+        self._objects = store
         self.path = base
 
     def _data_stream(self, path: Any) -> Any:
-        return self.fs.store.upload(str(path))
+        return self._objects.upload(str(path))
 
 
 class _TorchWriter(FileSystemWriter):
     def __init__(self, store: Any, base: str) -> None:
         super().__init__(base, sync_files=False, single_file_per_rank=True, thread_count=1)
-        self.fs = ObjectFileSystem(store)
+        self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
         self.path = base
 
 
@@ -132,7 +133,7 @@ class ObjectDcpReader(FileSystemReader):
         directory: str | None = None,
     ) -> None:
         super().__init__(base)
-        self.fs = ObjectFileSystem(store)
+        self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
         self.path = base
         self._store = store
         self._checksums = checksums
@@ -142,7 +143,7 @@ class ObjectDcpReader(FileSystemReader):
         self._shapes = ArchiveShapes()  # data.pkl -> layout, parsed once per distinct one
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        return for_this_load(self._metadata(), self.load_id)  # type: ignore[no-any-return]
+        return for_this_load(self._metadata(), self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -167,7 +168,7 @@ class ObjectDcpReader(FileSystemReader):
         # In offset order, each item as soon as its parts are in: placing one overlaps the GETs
         # of the next.
         order = sorted(range(len(items)), key=lambda i: spans[i])
-        with _Download(self._store, key, spans) as download:
+        with _Download(self._store, str(key), spans) as download:
             for i in order:
                 item, (start, end) = items[i], spans[i]
                 data = download.wait(start, end)

@@ -70,7 +70,7 @@ class _Lease:
         self.said = FailureLog(logger, f"the lock {url}")
 
 
-_leases: dict[tuple[str, str], _Lease] = {}
+_leases: dict[tuple[str, str, str], _Lease] = {}  # by endpoint, bucket and key
 _leases_guard = threading.Lock()
 
 

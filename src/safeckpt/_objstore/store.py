@@ -301,16 +301,13 @@ class ObjectRootStore:
         self.client.put(self.aliases.file_key(name, fresh=True), data)
 
     def write_new(self, name: str, data: bytes) -> None:
-        self.write_atomic(name, data)
+        self.write_atomic(name, data)  # a PUT is both
 
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """One upload: the object appears, whole, when it completes; aborted if ``write`` raises."""
-        with self.open_write(name) as stream:
-            write(stream)
-
-    def open_write(self, name: str) -> UploadStream:
         _check(name)
-        return self.upload(self.aliases.file_key(name, fresh=True))
+        with self.upload(self.aliases.file_key(name, fresh=True)) as stream:
+            write(stream)
 
     def upload(self, key: str) -> UploadStream:
         return UploadStream(
@@ -376,7 +373,7 @@ class ObjectRootStore:
             self, base.rstrip("/"), checksums=checksums, step=step, metadata=metadata, directory=directory
         )
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
         return _nothing  # reads are ranged GETs in parallel already; no page cache to warm
 
     # --- the root as a whole -------------------------------------------------------

@@ -51,6 +51,9 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 DEFAULT_SHARD_SIZE = 5 * 10**9
 DEFAULT_READ_BUDGET = 256 << 20
 INDEX_NAME = "model.safetensors.index.json"
+HF_CONFIG = "hf_config"
+"""A record's ``extra`` key holding a Hugging Face model config (``safeckpt.hf.attach`` saves it);
+the ``"hf"`` format writes it as ``config.json``, so ``from_pretrained`` loads the folder."""
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -156,7 +159,7 @@ class ExportResult:
 
 @safe_metadata.parsed_kept()  # the checkpoint is chosen, verified and read: one unpickle of .metadata
 def plan_export(
-    root: str | os.PathLike[str],
+    root: Loc | str | os.PathLike[str],
     *,
     step: int | None = None,
     key: str = "model",
@@ -203,7 +206,7 @@ def _nothing_to_export(layout: Layout) -> CheckpointNotFoundError:
 
 
 def _plan(
-    directory: Path, record: Record, *, key: str, format: str, dtype: torch.dtype | None, shard_size: int
+    directory: Loc, record: Record, *, key: str, format: str, dtype: torch.dtype | None, shard_size: int
 ) -> ExportPlan:
     """The output of ``directory``'s tensors under ``key``, from its ``.metadata`` alone."""
     metadata = safe_metadata.read_metadata(directory)
@@ -232,7 +235,7 @@ def _plan(
 
 
 def export_chosen(
-    root: str | os.PathLike[str],
+    root: Loc | str | os.PathLike[str],
     write: Callable[[ExportPlan], ExportResult],
     *,
     step: int | None = None,
@@ -252,7 +255,7 @@ def export_chosen(
     target = _dtype(dtype)
     layout = _run_root(root)
 
-    def attempt(directory: Path, record: Record) -> ExportResult:
+    def attempt(directory: Loc, record: Record) -> ExportResult:
         check_own_files(directory, record, 0)  # what a restore checks first: the same choice
         plan = _plan(directory, record, key=key, format=format, dtype=target, shard_size=shard_size)
         return write(plan)
@@ -281,7 +284,7 @@ def _pack(tensors: list[ExportTensor], shard_size: int) -> list[list[ExportTenso
 
 
 def export_weights(
-    root: str | os.PathLike[str],
+    root: Loc | str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
     step: int | None = None,
@@ -340,7 +343,7 @@ def write_export(
     metadata = {"format": "pt", "safeckpt.step": str(plan.step), "safeckpt.key": plan.key}
     result = ExportResult(
         target.where, plan.step, plan.directory.where, plan.format, tensors=len(plan.tensors)
-    )  # type: ignore[arg-type]
+    )
     result.bytes = plan.total_bytes
     try:
         if plan.format == SAFETENSORS:
@@ -356,10 +359,13 @@ def write_export(
                 weight_map.update({t.name: name for t in shard})
             index = {"metadata": {"total_size": plan.total_bytes, **metadata}, "weight_map": weight_map}
             store.write_new((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            config = plan.record.extra.get(HF_CONFIG) if plan.record is not None else None
+            if isinstance(config, Mapping):
+                store.write_new((tmp / "config.json").key, (json.dumps(config, indent=2) + "\n").encode())
             store.sync(tmp.key)
             # no moment without a whole output: the old folder ends at the temp name, removed below
             store.commit_dir(tmp.key, target.key, displaced=f"{tmp.key}.old", retired=tmp.key)
-            result.files = [*names, INDEX_NAME]
+            result.files = [*names, INDEX_NAME, *(["config.json"] if isinstance(config, Mapping) else [])]
         store.sync(target.parent.key)
     finally:
         for leftover in (tmp, target.parent / f"{tmp.name}.old"):
@@ -388,16 +394,20 @@ def _write_safetensors(
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with path.store.open_write(path.key) as f:
+
+    def write(f: Any) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for group in _groups(tensors, read_budget):
             loaded = _load(plan, group)
             for t in group:
                 tensor = loaded.pop(t.fqn).to(t.dtype).contiguous().reshape(-1)
-                f.write(memoryview(tensor.view(torch.uint8).numpy()))
+                # numpy declares ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+                f.write(memoryview(tensor.view(torch.uint8).numpy()))  # type: ignore[arg-type]
                 del tensor
                 advance(t.nbytes)
+
+    path.store.write_stream(path.key, write)
 
 
 def _groups(tensors: tuple[ExportTensor, ...], budget: int) -> Iterator[list[ExportTensor]]:

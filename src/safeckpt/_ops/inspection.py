@@ -116,7 +116,7 @@ def tensor_table(checkpoint_dir: Loc | str | os.PathLike[str]) -> list[dict[str,
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         offset = tuple(index.offset) if index.offset is not None else None
         files[(index.fqn, offset)] = str(getattr(info, "relative_path", ""))
-    table = []
+    table: list[dict[str, Any]] = []
     for fqn, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata):
             table.append({"fqn": fqn, "kind": "bytes", "file": files.get((fqn, None))})
@@ -251,7 +251,7 @@ def _describe_tensors(value: Any, header: dict[str, Any]) -> Any:
 
 
 def inspect_checkpoint(
-    root: str | os.PathLike[str], target: int | str | os.PathLike[str] | None = None
+    root: Loc | str | os.PathLike[str], target: int | str | os.PathLike[str] | None = None
 ) -> dict[str, Any]:
     """Everything about one checkpoint of ``root`` as JSON data (schema in docs/cli.md).
 

@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from .._dcp import safe_metadata
 from .._format.catalog import Catalog, Entry, damaged_note, scan, settled_scan, verify_files
@@ -183,7 +184,7 @@ class VerifyReport:
 
 
 def verify_root(
-    root: str | os.PathLike[str],
+    root: Loc | str | os.PathLike[str],
     *,
     steps: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
@@ -312,7 +313,7 @@ def damaged_checkpoints(catalog: Catalog) -> list[Damaged]:
     return sorted(found, key=lambda d: (d.step, d.path.name))
 
 
-def _finite_number(value: object) -> bool:
+def _finite_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .._format.catalog import Catalog, Entry, settled_scan
 from .._format.layout import parse_staging_name
 from .._format.record import same_checkpoint
-from .._store.loc import as_root
+from .._store.loc import Loc, as_root
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Tiers:
     """Steps of ``local_only`` with a save in the root's ``.staging/`` (an upload under way)."""
 
 
-def compare_tiers(durable: Catalog, local_dir: str | os.PathLike[str]) -> Tiers:
+def compare_tiers(durable: Catalog, local_dir: Loc | str | os.PathLike[str]) -> Tiers:
     """``durable`` (the root's catalog) against the committed checkpoints of ``local_dir``."""
     local = {e.step: e for e in settled_scan(as_root(local_dir)).entries if e.committed and e.record}
     there = {e.step: e.record for e in durable.entries if e.committed and e.record}

@@ -89,7 +89,7 @@ class Milestones:
             if isinstance(value, dict):
                 return cls(**value)
             if isinstance(value, str):
-                return cls(value)  # type: ignore[arg-type]
+                return cls(value)
             return cls(tuple(value))
         except TypeError:
             raise ConfigError(

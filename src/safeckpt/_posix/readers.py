@@ -25,7 +25,7 @@ class PosixDcpReader(RawFileSystemReader):
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        return for_this_load(self._metadata(), self.load_id)  # type: ignore[no-any-return]
+        return for_this_load(self._metadata(), self.load_id)
 
 
 class PosixDcpOwnReader(PosixDcpReader):

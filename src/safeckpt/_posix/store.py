@@ -18,7 +18,6 @@ import shutil
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from .._fs.atomic import atomic_write, atomic_write_stream, read_pointer, replace_dir, swap_pointer
@@ -53,8 +52,8 @@ class PosixStore:
             raise ValueError(f"not a name inside a root: {name!r}")
         return self.root.joinpath(*parts)
 
-    def where(self, name: str = "") -> Path:
-        return self.path(name)
+    def where(self, name: str = "") -> str:
+        return str(self.path(name))
 
     # --- names ---------------------------------------------------------------
 
@@ -123,9 +122,6 @@ class PosixStore:
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         atomic_write_stream(self.path(name), write, self.ops)
 
-    def open_write(self, name: str) -> _WriteHandle:
-        return _WriteHandle(open(self.path(name), "wb"))
-
     def read_pointer(self, name: str) -> str | None:
         return read_pointer(self.path(name))
 
@@ -162,7 +158,7 @@ class PosixStore:
             self.path(directory), checksums=checksums, step=step, direct_io=direct_io, metadata=metadata
         )
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
         from .._storage.prefetch import prefetch
 
         return prefetch(self.path(directory), rank, direct_io=direct_io)
@@ -186,35 +182,6 @@ class PosixStore:
                 except OSError:
                     return None
         return None
-
-
-class _WriteHandle:
-    """A new local file; ``close`` fsyncs it, so it is durable once closed."""
-
-    def __init__(self, file: Any) -> None:
-        self._file = file
-
-    def write(self, data: bytes | memoryview) -> int:
-        return self._file.write(data)
-
-    def close(self) -> None:
-        if not self._file.closed:
-            try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            finally:
-                self._file.close()
-
-    def __enter__(self) -> _WriteHandle:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._file.close()  # the caller removes what was written
 
 
 def _entry(name: str, info: os.stat_result, path: str | Path) -> Entry:

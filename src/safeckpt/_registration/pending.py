@@ -17,7 +17,7 @@ from .._format.catalog import scan
 from .._format.record import Record
 from .._policy.retention import CheckpointInfo
 from .._store.base import Store
-from .._store.loc import as_root
+from .._store.loc import Loc, as_root
 from ..errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from .registrar import Registrar
 from .worker import RETRIED, CommitInfo, is_best, register_one
@@ -44,7 +44,7 @@ def registrar_from_json(data: Mapping[str, Any]) -> Registrar:
 
 
 def register_pending(
-    root: str | os.PathLike[str] | Store, registrar: Registrar | None = None, *, step: int | None = None
+    root: Loc | Store | str | os.PathLike[str], registrar: Registrar | None = None, *, step: int | None = None
 ) -> list[tuple[int, str]]:
     """(Re)register committed checkpoints of ``root``: ``(step, status)`` for each one tried.
 

@@ -31,10 +31,12 @@ class Registrar(Protocol):
     ``register`` returns JSON data to keep in the record (or None). It may be
     slow (it delays only the registrations after it) and it may raise. It may
     be called again for a step it already registered (a retry, ``safeckpt
-    register``): make it idempotent where a duplicate matters.
+    register``): make it idempotent where a duplicate matters. ``path`` is the
+    checkpoint directory as a person names it: a ``Path`` for a local root, its
+    URL (``s3://bucket/run/step_5``) for a root on object storage.
     """
 
-    def register(self, step: int, path: Path, record: Record) -> Mapping[str, Any] | None: ...
+    def register(self, step: int, path: Path | str, record: Record) -> Mapping[str, Any] | None: ...
 
 
 class JsonlIndexRegistrar:
@@ -47,7 +49,7 @@ class JsonlIndexRegistrar:
     def __init__(self, index_path: str | os.PathLike[str]) -> None:
         self.index_path = Path(index_path)
 
-    def register(self, step: int, path: Path, record: Record) -> Mapping[str, Any]:
+    def register(self, step: int, path: Path | str, record: Record) -> Mapping[str, Any]:
         line = json.dumps(
             {"step": step, "path": str(path), "time": record.time, "metrics": dict(record.metrics)},
             allow_nan=True,

@@ -58,10 +58,11 @@ class CommitInfo:
     """What a registrar learns about one commit (rank 0)."""
 
     step: int
-    path: Path
-    """The committed checkpoint directory (``<root>/step_<N>``)."""
+    path: Path | str
+    """The committed checkpoint directory (``<root>/step_<N>``): a ``Path`` for a local root, else
+    its URL."""
     record: Record
-    root: Path
+    root: Path | str
     is_best: bool = False
     """The best committed checkpoint by retention's ``keep_best`` metric when it committed."""
     final: bool = False
@@ -81,7 +82,7 @@ class CommitInfo:
             root.where,
             is_best=is_best,
             final=final,
-            location=directory,  # type: ignore[arg-type]
+            location=directory,
         )
 
     def _loc(self) -> Loc:

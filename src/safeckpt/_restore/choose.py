@@ -176,7 +176,7 @@ def as_read_error(error: BaseException, directory: Loc, record: Record) -> BaseE
 def read_chosen(
     layout: Layout,
     step: int | None,
-    path: str | os.PathLike[str] | None,
+    path: Loc | str | os.PathLike[str] | None,
     read: Callable[[Loc, Record], T],
     *,
     nothing: Callable[[], CheckpointError],
@@ -253,7 +253,7 @@ def check_own_files(directory: Loc, record: Record, rank: int) -> None:
 def choose_checkpoint(
     layout: Layout,
     step: int | None,
-    path: str | os.PathLike[str] | None,
+    path: Loc | str | os.PathLike[str] | None,
     *,
     exclude: Collection[int] = (),
     on_damaged: Callable[[Loc, Record | None, Exception], None] | None = None,

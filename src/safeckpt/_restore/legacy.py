@@ -10,6 +10,7 @@ DCP's flattened keys only).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -40,7 +41,7 @@ def load_legacy(
     caller_state: MutableMapping[Any, Any],
     directory: Loc,
     record: Record,
-    parts: Participants,
+    ranks: Participants,
     entries: Mapping[str, Any],
     *,
     strict: bool,
@@ -49,13 +50,13 @@ def load_legacy(
     """Load a format-1 checkpoint into ``caller_state`` in place; the missing top-level keys.
 
     ``wanted``: which top-level keys to load (``include=``/``exclude=`` apply to
-    top-level keys only here). Collective over ``parts.control`` (agreement,
+    top-level keys only here). Collective over ``ranks.control`` (agreement,
     then ``dcp.load``).
     """
     state = {k: v for k, v in caller_state.items() if wanted((k,))}  # the caller's objects
     error: BaseException | None = None
     dcp_part: dict[str, Any] = {}
-    apply: list[Callable[[], None]] = []
+    apply: list[Callable[[], object]] = []
     missing: list[str] = []
     try:
         metadata = safe_metadata.read_metadata(directory, record=record)
@@ -77,20 +78,20 @@ def load_legacy(
                 continue
             if isinstance(value, nn.Module):
                 dcp_part[key] = get_model_state_dict(value)
-                apply.append(lambda m=value, k=key: set_model_state_dict(m, dcp_part[k]))
+                apply.append(functools.partial(_load_module, value, dcp_part, key))
             elif isinstance(value, torch.optim.Optimizer):
                 module = module_for(value, str(key), caller_state)
                 dcp_part[key] = get_optimizer_state_dict(module, value)
-                apply.append(lambda m=module, o=value, k=key: set_optimizer_state_dict(m, o, dcp_part[k]))
+                apply.append(functools.partial(_load_optimizer, module, value, dcp_part, key))
             elif isinstance(value, torch.Tensor):
                 dcp_part[key] = value
     except Exception as e:
         error = e
-    parts.agree(error, parts.control, what=f"matching step {record.step} against the state", step=record.step)
+    ranks.agree(error, ranks.control, what=f"matching step {record.step} against the state", step=record.step)
     logger.info("safeckpt: step %d was written by safeckpt 0.1 (train-state format 1)", record.step)
-    if dcp_part or parts.distributed:
+    if dcp_part or ranks.distributed:
         try:
-            dcp_io.load(dcp_part, directory, parts.control)
+            dcp_io.load(dcp_part, directory, ranks.control)
         except CheckpointException as e:
             storage = cut_off(e, directory, record)  # the storage's failure: never damage
             if storage is not None:
@@ -109,3 +110,14 @@ def load_legacy(
             else:
                 caller_state[key] = entry["value"]
     return tuple(missing)
+
+
+# Each reads its value from ``loaded`` when called: after DCP has filled it in.
+def _load_module(module: nn.Module, loaded: dict[str, Any], key: str) -> None:
+    set_model_state_dict(module, loaded[key])
+
+
+def _load_optimizer(
+    module: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any], key: str
+) -> None:
+    set_optimizer_state_dict(module, optimizer, loaded[key])

@@ -33,7 +33,7 @@ def load_checkpoint(
     state: MutableMapping[Any, Any],
     directory: Loc,
     record: Record,
-    parts: Participants,
+    ranks: Participants,
     *,
     strict: bool,
     with_rng: bool,
@@ -41,7 +41,7 @@ def load_checkpoint(
     exclude: Iterable[str] | None = None,
     filling: Callable[[], None],
 ) -> LoadReport:
-    """Load ``directory`` into ``state`` in place; what was left alone. Collective over ``parts.control``.
+    """Load ``directory`` into ``state`` in place; what was left alone. Collective over ``ranks.control``.
 
     All or nothing: the whole state is matched against the checkpoint first
     (missing and unexpected paths, shapes, dtypes), and every rank agrees on
@@ -55,15 +55,15 @@ def load_checkpoint(
     found while reading) leaves part of the state filled.
     """
     # the disk works while this plans
-    done_reading = directory.store.prefetch(
-        directory.key, parts.rank, direct_io=io_options.current().direct_io
+    done_reading = directory.store.dcp_prefetch(
+        directory.key, ranks.rank, direct_io=io_options.current().direct_io
     )
     try:
         return _load_checkpoint(
             state,
             directory,
             record,
-            parts,
+            ranks,
             strict=strict,
             with_rng=with_rng,
             include=include,
@@ -78,7 +78,7 @@ def _load_checkpoint(
     state: MutableMapping[Any, Any],
     directory: Loc,
     record: Record,
-    parts: Participants,
+    ranks: Participants,
     *,
     strict: bool,
     with_rng: bool,
@@ -95,27 +95,27 @@ def _load_checkpoint(
     metadata: Any = None
     try:
         metadata = safe_metadata.read_metadata(directory, record=record)
-        tree, rng = read_tree(directory, record, parts.rank)
+        tree, rng = read_tree(directory, record, ranks.rank)
         if rng is None and record.world_size > 1:
             logger.warning(
                 "safeckpt: step %d was saved by %d rank(s); rank %d loads the merged training state "
                 "of those ranks and keeps its own RNG state",
                 record.step,
                 record.world_size,
-                parts.rank,
+                ranks.rank,
             )
         if not isinstance(tree, Legacy):
             plan = LoadPlan(metadata.state_dict_metadata, selection, state)
             loaded = plan.mapping(state, tree)
             _check_plan(plan, record, directory, strict=strict)
-            if plan.per_rank and parts.is_leader and record.world_size > parts.world_size:
-                gone = parts.world_size, record.world_size - 1
+            if plan.per_rank and ranks.is_leader and record.world_size > ranks.world_size:
+                gone = ranks.world_size, record.world_size - 1
                 logger.warning(
                     "safeckpt: step %d was saved by %d ranks and is restored by %d: what %s held "
                     "per_rank (%s) is restored to no rank; each rank here continues from its own",
                     record.step,
                     record.world_size,
-                    parts.world_size,
+                    ranks.world_size,
                     f"rank {gone[0]}" if gone[0] == gone[1] else f"ranks {gone[0]}-{gone[1]}",
                     _listing(plan.per_rank),
                 )
@@ -124,17 +124,17 @@ def _load_checkpoint(
     if error is None and isinstance(tree, Legacy):
         filling()
         missing = load_legacy(
-            state, directory, record, parts, tree.entries, strict=strict, wanted=selection.wanted
+            state, directory, record, ranks, tree.entries, strict=strict, wanted=selection.wanted
         )
         if with_rng and selection.everything and rng is not None:
             restore_rng(rng)
         return LoadReport(missing=missing)
-    parts.agree(error, parts.control, what=f"matching step {record.step} against the state", step=record.step)
+    ranks.agree(error, ranks.control, what=f"matching step {record.step} against the state", step=record.step)
     assert plan is not None
     filling()
-    if plan.dcp or parts.distributed:  # collective: every rank takes part, even with nothing to read
+    if plan.dcp or ranks.distributed:  # collective: every rank takes part, even with nothing to read
         try:
-            dcp_io.load_flat(plan.dcp, directory, parts.control, record=record, metadata=metadata)
+            dcp_io.load_flat(plan.dcp, directory, ranks.control, record=record, metadata=metadata)
         except CheckpointException as e:
             storage = cut_off(e, directory, record)  # the storage's failure: never damage
             if storage is not None:
@@ -177,20 +177,20 @@ def _check_plan(plan: LoadPlan, record: Record, directory: Loc, *, strict: bool)
         )
     if not (plan.missing or plan.unexpected):
         return
-    parts = []
+    differences = []
     if plan.missing:
-        parts.append(f"the checkpoint lacks {_listing(plan.missing)}, which the state has")
+        differences.append(f"the checkpoint lacks {_listing(plan.missing)}, which the state has")
     if plan.unexpected:
-        parts.append(f"the checkpoint has {_listing(plan.unexpected)}, which the state lacks")
+        differences.append(f"the checkpoint has {_listing(plan.unexpected)}, which the state lacks")
     if strict:
         raise UnsupportedStateError(
-            f"{where} does not match the state: {'; '.join(parts)}. Restore with strict=False to "
+            f"{where} does not match the state: {'; '.join(differences)}. Restore with strict=False to "
             "load what matches (the result lists the rest), or choose parts with include=/exclude=. "
             "Nothing was changed.",
             step=record.step,
             path=str(directory),
         )
-    logger.warning("safeckpt: restoring %s with strict=False: %s", where, "; ".join(parts))
+    logger.warning("safeckpt: restoring %s with strict=False: %s", where, "; ".join(differences))
 
 
 def _listing(paths: list[str], limit: int = 10) -> str:

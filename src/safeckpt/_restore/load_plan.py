@@ -104,7 +104,7 @@ class LoadPlan:
         self.damage: list[str] = []
         self.no_per_rank: list[str] = []  # per_rank() values this rank has none saved for (left as is)
         self.per_rank: list[str] = []  # per_rank() values this rank loads its own saved values into
-        self._actions: list[tuple[str, Callable[[], None]]] = []  # (the value's path, what loads it)
+        self._actions: list[tuple[str, Callable[[], object]]] = []  # (the value's path, what loads it)
         self._shared = Shared()
 
     def report(self) -> LoadReport:
@@ -183,7 +183,7 @@ class LoadPlan:
                 ) from e
         return result
 
-    def _later(self, keys: tuple[Any, ...], action: Callable[[], None]) -> None:
+    def _later(self, keys: tuple[Any, ...], action: Callable[[], object]) -> None:
         """``action`` loads the value at ``keys`` once DCP has read (in :meth:`apply`, in order)."""
         self._actions.append((display(keys) or "the state", action))
 

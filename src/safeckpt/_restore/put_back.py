@@ -21,7 +21,7 @@ class _Absent:
 ABSENT: Any = _Absent()
 
 
-class Map(dict):  # type: ignore[type-arg]
+class Map(dict[Any, Any]):
     """Loaded items of a mapping (only those to put in place)."""
 
 

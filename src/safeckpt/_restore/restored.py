@@ -24,8 +24,9 @@ class Restored:
     step: int | None = None
     """The step of the checkpoint loaded, or None when there was none (a fresh start)."""
 
-    path: Path | None = None
-    """The checkpoint directory loaded (as rank 0 named it)."""
+    path: Path | str | None = None
+    """The checkpoint directory loaded (as rank 0 named it): a ``Path`` on a local root, a URL
+    (``s3://bucket/run/step_5``) on object storage."""
 
     metrics: dict[str, Any] = field(default_factory=dict)
     """The ``metrics`` passed to the ``save()`` of that step."""
@@ -49,7 +50,7 @@ class Restored:
     def from_record(
         cls,
         record: Record,
-        path: Path,
+        path: Path | str,
         *,
         missing: tuple[str, ...] = (),
         unexpected: tuple[str, ...] = (),

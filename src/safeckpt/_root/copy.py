@@ -9,6 +9,7 @@ damaged local copy is never made durable.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from .._format.checksums import FileChecksum, parse_checksums, verify_handle
 from .._format.record import Record
@@ -64,11 +65,13 @@ def copy_file(
                 path=str(source),
                 step=step,
             )
-        with target.store.open_write(target.key) as out:
 
+        def copy(out: Any) -> None:
             def write(chunk: bytes) -> None:
                 if should_stop is not None and should_stop():
                     raise CopyStopped(f"stopped copying {source}")
                 out.write(chunk)
 
             verify_handle(handle, source, checksum, step=step, sink=write)
+
+        target.store.write_stream(target.key, copy)

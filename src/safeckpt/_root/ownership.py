@@ -338,7 +338,7 @@ class OwnedLock:
         self._lock = lock
         self._ownership = ownership
         self.path = getattr(lock, "path", None)
-        self.timeout = getattr(lock, "timeout", None)
+        self.timeout = lock.timeout
 
     def acquire(self) -> None:
         outermost = not self._lock.held()

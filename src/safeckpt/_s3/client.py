@@ -18,6 +18,7 @@ A server's reply is untrusted input: a reply botocore cannot parse, or a
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import datetime
 import errno
@@ -226,7 +227,8 @@ class S3Client:
         )
         return {"PartNumber": number, "ETag": reply["ETag"], "ChecksumCRC32": checksum}
 
-    def finish_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> str:
+    # builtins.list: below the method list(), the name `list` in this class is that method
+    def finish_upload(self, key: str, upload_id: str, parts: builtins.list[dict[str, Any]]) -> str:
         reply = self._call(
             "complete_multipart_upload",
             key,
@@ -241,7 +243,7 @@ class S3Client:
         with contextlib.suppress(NotFound):  # completed or aborted already
             self._call("abort_multipart_upload", key, Bucket=self.bucket, Key=key, UploadId=upload_id)
 
-    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+    def uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload id)``.
 
         A server that does not implement the listing (501, as some S3-compatible servers answer)

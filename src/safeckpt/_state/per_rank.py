@@ -14,6 +14,7 @@ class PerRank:
     """State that differs between ranks, kept by each rank for itself (see :func:`per_rank`)."""
 
     __slots__ = ("value",)
+    value: Any
 
     def __init__(self, value: Any) -> None:
         if isinstance(value, PerRank):

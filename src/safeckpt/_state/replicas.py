@@ -81,7 +81,8 @@ def _fingerprint(tensor: torch.Tensor) -> int | None:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    # numpy declares ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())  # type: ignore[arg-type]
 
 
 def diverging(per_rank: Sequence[Mapping[str, int]]) -> dict[str, list[int]]:

@@ -77,7 +77,8 @@ class PlannedRun:
 
     def checksums(self) -> list[int]:
         """The CRC32 of each archive's bytes as read."""
-        view = memoryview(self.buffer.numpy())
+        # numpy declares ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+        view = memoryview(self.buffer.numpy())  # type: ignore[arg-type]
         n = self.shape.length
         return [crc32(view[i : i + n]) for i in range(0, len(view), n)]
 

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -140,7 +140,7 @@ class RawFileSystemWriter(FileSystemWriter):
 
 
 def _write_item(
-    stream: IO[bytes], file_name: str, item: WriteItem, data: Any, archives: _ArchiveWriter
+    stream: _ChecksummedStream, file_name: str, item: WriteItem, data: Any, archives: _ArchiveWriter
 ) -> WriteResult:
     offset = stream.tell()
     if item.type == WriteItemType.BYTE_IO:
@@ -150,7 +150,7 @@ def _write_item(
         if tensor.untyped_storage().nbytes() != tensor.nbytes:
             tensor = tensor.clone()  # as DCP does: never save the rest of a larger storage
         if tensor.nbytes >= _ZIP32_LIMIT:
-            torch.save(tensor, stream)
+            torch.save(tensor, cast(IO[bytes], stream))  # torch calls only write and flush on it
         else:
             archives.write(stream, tensor)
     length = stream.tell() - offset

@@ -29,7 +29,9 @@ What each operation must guarantee, for the invariants of the design:
 * ``dcp_writer``/``dcp_reader``: DCP's storage for one checkpoint directory.
   The writer checksums every byte it writes (``.checksums``) and makes each
   file durable; the reader checks every item it reads against ``checksums``
-  before its bytes reach the state (10).
+  before its bytes reach the state, and takes DCP's ``.metadata`` from
+  ``metadata()`` (the caller's verified, restricted read), never from the file
+  itself (9, 10).
 
 Readers take no lock: a record or pointer is replaced atomically, so a reader
 sees a whole one; anything else it reads may be replaced or removed under it,
@@ -41,7 +43,6 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 FILE = "file"
@@ -76,13 +77,14 @@ def leaf(name: str) -> str:
     return posixpath.basename(name)
 
 
-class ItemInfos(list):  # type: ignore[type-arg]
+class ItemInfos(list[Any]):
     """The storage info (``.metadata``'s ``_StorageInfo``) of each item of a load plan, in the plan's
     order, as that plan's ``storage_data``: set by a planner that looked them up already."""
 
 
 class ReadHandle(Protocol):
-    """An open regular file: its size when opened, and reads of any range of it."""
+    """An open regular file: its size when opened, and reads of any range of it (a context manager
+    that closes it)."""
 
     size: int
 
@@ -90,15 +92,7 @@ class ReadHandle(Protocol):
 
     def close(self) -> None: ...
 
-
-class WriteHandle(Protocol):
-    """A new file being written in order; durable once ``close`` returns (a context manager)."""
-
-    def write(self, data: bytes | memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Any: ...
+    def __enter__(self) -> ReadHandle: ...
 
     def __exit__(self, *exc: Any) -> None: ...
 
@@ -130,8 +124,9 @@ class Store(Protocol):
     """How many small reads (records, markers) to have in flight together: 1 where a read is a
     system call, more where each is a network round trip."""
 
-    def where(self, name: str = "") -> Path | str:
-        """``name`` as a person names it (a ``Path`` for a local root), for messages and results."""
+    def where(self, name: str = "") -> str:
+        """``name`` as a person names it (a path for a local root, else a URL), for messages.
+        The public API's results turn it into a ``Path`` for a local root (``_store.loc.shown``)."""
         ...
 
     # --- names ---------------------------------------------------------------
@@ -158,14 +153,15 @@ class Store(Protocol):
 
     def write_atomic(self, name: str, data: bytes) -> None: ...
 
-    def write_new(self, name: str, data: bytes) -> None: ...
+    def write_new(self, name: str, data: bytes) -> None:
+        """A file of a save's own staging area, which no reader looks at before its commit: durable
+        when it returns, without ``write_atomic``'s rename (one per rank per save)."""
+        ...
 
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """What ``write(file)`` writes, as one file: readers see the old file or the new one,
         whole; durable on return; nothing left behind if ``write`` raises."""
         ...
-
-    def open_write(self, name: str) -> WriteHandle: ...
 
     def read_pointer(self, name: str) -> str | None: ...
 
@@ -183,9 +179,16 @@ class Store(Protocol):
         step: int | None,
         direct_io: bool,
         dcp_own: bool,
-    ) -> Any: ...
+        metadata: Callable[[], Any],
+    ) -> Any:
+        """DCP's reader of ``directory``; its ``.metadata`` is ``metadata()``, read by the caller
+        (checked against the record, through the restricted unpickler), never by the reader."""
+        ...
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]: ...
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+        """Start reading ``rank``'s data file of ``directory`` into the page cache (where the store
+        has one) while the restore prepares; the callable says the read is done with."""
+        ...
 
     # --- the root as a whole -------------------------------------------------------
 

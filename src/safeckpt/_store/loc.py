@@ -38,7 +38,13 @@ class Loc:
     @property
     def where(self) -> Path | str:
         """How a person names it: a ``Path`` for a local root, else the store's URL and the name."""
-        return self.store.where(self.key)
+        return shown(self.store, self.key)
+
+    @property
+    def on_disk(self) -> Path | None:
+        """The file or directory on this machine's disk, for a local root (for a library that opens
+        files itself: ``torch.load``, safetensors); None on object storage."""
+        return None if local_path(self.store.url) is None else Path(self.store.where(self.key))
 
     def entry(self) -> Entry | None:
         """What is at this name (never through a link), or None."""
@@ -60,6 +66,13 @@ class Loc:
         # Across processes (other ranks) a name travels as its root's URL: the receiver opens
         # that root's store itself.
         return (_loc_at, (self.store.url, self.key))
+
+
+def shown(store: Store, name: str = "") -> Path | str:
+    """``name`` as the public API gives it: a ``Path`` for a local root (what callers of a path-taking
+    API expect back), else its URL. The seam itself speaks in strings."""
+    where = store.where(name)
+    return Path(where) if local_path(store.url) is not None else where
 
 
 def _loc_at(url: str, key: str) -> Loc:

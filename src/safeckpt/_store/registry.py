@@ -200,7 +200,7 @@ def check_root(store: Store, *, writing: bool) -> None:
     where = store.where("")
     top = store.entry("")
     if top is None:
-        blocker = _file_above(where)
+        blocker = _file_above(Path(where)) if local_path(store.url) is not None else None
         if blocker is not None:
             raise ConfigError(
                 f"{where} is under {blocker}, which is a file, not a directory; choose a root whose "
@@ -224,10 +224,9 @@ def check_root(store: Store, *, writing: bool) -> None:
         raise ConfigError(f"{where} is a file, not a directory; {todo}.", path=str(where))
 
 
-def _file_above(where: Path | str) -> Path | None:
-    """The nearest existing parent of the local root ``where`` (missing), if it is not a directory."""
-    if not isinstance(where, Path):
-        return None  # an object store's prefixes are never files
+def _file_above(where: Path) -> Path | None:
+    """The nearest existing parent of the local root ``where`` (missing), if it is not a directory.
+    (An object store's prefixes are never files.)"""
     for parent in where.parents:
         entry = open_store(parent).entry("")
         if entry is not None:

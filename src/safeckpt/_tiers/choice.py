@@ -32,7 +32,7 @@ logger = logging.getLogger("safeckpt.manager")
 def choose_across(
     tiers: Sequence[Layout],
     step: int | None,
-    path: str | os.PathLike[str] | None,
+    path: Loc | str | os.PathLike[str] | None,
     *,
     excluded: Sequence[Collection[int]],
     on_damaged: Callable[[Loc, Record | None, Exception], None] | None = None,

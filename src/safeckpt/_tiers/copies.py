@@ -44,7 +44,7 @@ class TierCopies:
     def choose(
         self,
         step: int | None,
-        path: str | os.PathLike[str] | None,
+        path: Loc | str | os.PathLike[str] | None,
         *,
         excluded: Sequence[Collection[int]],
         on_damaged: Callable[[Loc, Record | None, Exception], None],

@@ -36,9 +36,9 @@ def on_leader(ranks: Participants, work: Callable[[Heartbeat], T], *, what: str)
     if not ranks.is_leader:
         while (beat := ranks.broadcast(None, ranks.control, what=what)) is False:
             pass
-        _, error = beat
-        if error is not None:
-            raise error
+        _, failure = beat
+        if failure is not None:
+            raise failure
         return None
     error: BaseException | None = None
     try:

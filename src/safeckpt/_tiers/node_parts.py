@@ -55,7 +55,11 @@ def of_run(name: str, run: str) -> bool:
 def put_marker(area: Loc, record: Record, *, lost: str | None = None) -> None:
     """This node's part is in ``area`` (or, with ``lost``, never will be)."""
     node = _node_of(record)
-    body = {"node": node, "files": dict(record.files), "checksums": dict(record.checksums or {})}
+    body: dict[str, Any] = {
+        "node": node,
+        "files": dict(record.files),
+        "checksums": dict(record.checksums or {}),
+    }
     if lost is not None:
         body = {"node": node, "lost": lost}
     (marker := area / _MARKER.format(node=node)).store.write_atomic(marker.key, json.dumps(body).encode())

@@ -88,10 +88,10 @@ class PartOverlay:
         local = {e.name: e for e in self._local.store.entries(self._local.key) if e.name in self._files}
         return [local.get(e.name, e) for e in found]
 
-    def prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
+    def dcp_prefetch(self, directory: str, rank: int, *, direct_io: bool) -> Callable[[], None]:
         if directory == self._directory:  # this rank's own files are its node's
-            return self._local.store.prefetch(self._local.key, rank, direct_io=direct_io)
-        return self._base.prefetch(directory, rank, direct_io=direct_io)
+            return self._local.store.dcp_prefetch(self._local.key, rank, direct_io=direct_io)
+        return self._base.dcp_prefetch(directory, rank, direct_io=direct_io)
 
     def dcp_reader(self, directory: str, **options: Any) -> Any:
         reader = self._base.dcp_reader(directory, **options)
@@ -140,7 +140,7 @@ class SplitReader(StorageReader):
         if here:
             self._local.read_data(dataclasses.replace(plan, items=here), planner).wait()
         if there:
-            return self._base.read_data(dataclasses.replace(plan, items=there), planner)  # type: ignore[no-any-return]
+            return self._base.read_data(dataclasses.replace(plan, items=there), planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -31,7 +31,7 @@ def second_tier(options: TierOptions) -> TierSetup:
     ``options.local_dir``. Collective over the control group."""
     assert options.local_dir is not None
     durable_root = options.root
-    local_dir = local_directory(options.local_dir, durable_root.where(""))
+    local_dir = local_directory(options.local_dir, Loc(durable_root).on_disk)
     if options.has_registrar:
         raise ConfigError(
             "local_dir= works without a registrar, for now; to register checkpoints, save "
@@ -74,8 +74,9 @@ def second_tier(options: TierOptions) -> TierSetup:
     )
 
 
-def local_directory(local_dir: str | os.PathLike[str], root: Path | str) -> Path:
-    """``local_dir`` as an absolute path, checked: a directory of this machine, apart from ``root``."""
+def local_directory(local_dir: str | os.PathLike[str], root: Path | None) -> Path:
+    """``local_dir`` as an absolute path, checked: a directory of this machine, apart from ``root``
+    (the durable root's directory, or None for a root on object storage)."""
     text = os.fspath(local_dir)
     local = local_path(text)  # a file:// URL's path; a mistyped URL is refused, never created
     if local is None:
@@ -85,7 +86,7 @@ def local_directory(local_dir: str | os.PathLike[str], root: Path | str) -> Path
             path=text,
         )
     path = Path(local).absolute()
-    if isinstance(root, Path):  # a local root (a store names a URL root as a str)
+    if root is not None:
         durable = root
         if path == durable or durable in path.parents or path in durable.parents:
             raise ConfigError(

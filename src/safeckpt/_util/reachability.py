@@ -109,15 +109,16 @@ def call_with_deadline(
     admission = reach.admit()
     if admission is Admission.REFUSE:
         raise unreachable(ConnectionError("not tried: the service is down"), reach.down_for() or 0.0)
-    if admission is Admission.PROBE and probe is None:
-        attempts = 1
-    elif admission is Admission.PROBE:
-        try:
-            probe()
-        except BaseException as e:
-            if classify(e) is Outcome.SILENT:
-                raise unreachable(e, reach.down_for() or 0.0) from e
-        reach.answered()
+    if admission is Admission.PROBE:
+        if probe is None:
+            attempts = 1
+        else:
+            try:
+                probe()
+            except BaseException as e:
+                if classify(e) is Outcome.SILENT:
+                    raise unreachable(e, reach.down_for() or 0.0) from e
+            reach.answered()
     if not reach.answered_once:
         deadline = min(deadline, OPEN_DEADLINE)
     ends = time.monotonic() + deadline

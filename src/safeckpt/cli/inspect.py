@@ -17,7 +17,7 @@ from .common import EXIT_OK, existing_root, out, print_json, print_table
 def cmd_inspect(args: argparse.Namespace) -> int:
     root = existing_root(args.root)
     target: int | str | None = args.target
-    if target is not None and target.isdigit():
+    if isinstance(target, str) and target.isdigit():
         target = int(target)
     data = inspect_checkpoint(root, target)
     if args.json:

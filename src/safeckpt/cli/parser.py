@@ -54,7 +54,7 @@ class Runs:
 
     def resolve(self) -> Callable[[argparse.Namespace], int]:
         implementation = importlib.import_module(f"{__package__}.{self.module}")
-        return getattr(implementation, self.function)  # type: ignore[no-any-return]
+        return getattr(implementation, self.function)
 
     def __call__(self, args: argparse.Namespace) -> int:
         return int(self.resolve()(args))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
 from .._format.catalog import settled_scan
 from .._ops.maintenance import VerifyReport, verify_root
+from .._store.loc import Loc
 from .common import EXIT_FAILED, EXIT_OK, existing_root, out, print_json, progress_bar
 
 
@@ -38,7 +38,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def render(console: Console, root: Path, report: VerifyReport, broken: list[int]) -> None:
+def render(console: Console, root: Loc, report: VerifyReport, broken: list[int]) -> None:
     if not report.checkpoints:
         console.print(f"no checkpoints in {root}")
     for step, problems in sorted(report.checkpoints.items()):

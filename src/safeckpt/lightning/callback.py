@@ -75,7 +75,7 @@ class _TrainerState:
         precision_state = precision.state_dict()
         if precision_state:
             state[type(precision).__qualname__] = precision_state
-        datamodule = trainer.datamodule
+        datamodule = getattr(trainer, "datamodule", None)  # a property Lightning's types leave out
         if datamodule is not None:
             datamodule_state = torch_private.datamodule_state_dict(trainer)
             if datamodule_state:
@@ -255,7 +255,7 @@ class ManagedCheckpoint(Checkpoint):
 
     def _epoch_due(self, trainer: pl.Trainer) -> bool:
         n = self.every_n_epochs
-        return bool(n) and (trainer.current_epoch + 1) % n == 0
+        return n is not None and n > 0 and (trainer.current_epoch + 1) % n == 0
 
     def _state(self, trainer: pl.Trainer, holder: _TrainerState) -> dict[str, Any]:
         state: dict[str, Any] = {"model": trainer.strategy.model}
@@ -265,7 +265,7 @@ class ManagedCheckpoint(Checkpoint):
         return state
 
     def _save(self, trainer: pl.Trainer, *, again: bool = False) -> None:
-        if self.manager is None or trainer.sanity_checking or trainer.fast_dev_run:
+        if self.manager is None or trainer.sanity_checking or getattr(trainer, "fast_dev_run", False):
             return
         step = trainer.global_step
         if step == self.restored_step or (step in self.saved_steps[-1:] and not again):

@@ -45,7 +45,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from .._dist.failures import root_not_writable
 from .._format.layout import Layout
 from .._fs.fileops import DEFAULT_FILE_OPS, FileOps
-from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPool
+from .._manager.background import COMMITTED, FAILED, BackgroundWriter, StagingPool, StagingSlot
 from .._manager.ledger import Flight, SaveLedger
 from .._posix import PosixStore
 from .._root.removal import Deleter
@@ -82,7 +82,7 @@ class _Save(Flight):
     seq: int
     path: Loc
     data: Any
-    slot: CheckpointSlot | None
+    slot: StagingSlot | None  # a CheckpointSlot of the plugin's pool
 
     @property
     def step(self) -> int:  # BackgroundWriter names a job by its step in its logs
@@ -206,8 +206,9 @@ class SafeCheckpointIO(CheckpointIO):
         self._saves.wait(target)
         self._raise_pending()
         try:
-            if isinstance(target.store, PosixStore):  # as Lightning reads it: through a link too
-                return load_lightning_file(target.where, map_location=map_location, weights_only=weights_only)
+            on_disk = target.on_disk
+            if on_disk is not None:  # as Lightning reads it: through a link too
+                return load_lightning_file(on_disk, map_location=map_location, weights_only=weights_only)
             with target.store.open_read(target.key) as handle:
                 stream = io.BufferedReader(HandleFile(handle), buffer_size=1 << 20)
                 return torch.load(stream, map_location=map_location, weights_only=weights_only)

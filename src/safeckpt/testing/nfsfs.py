@@ -48,14 +48,15 @@ logger = logging.getLogger("safeckpt.testing.nfsfs")
 if __package__:
     from .nfs_model import HIDDEN_PREFIX, NFSConfig, SillyFiles, silly_name
 else:  # pragma: no cover - the FUSE process
-    from nfs_model import HIDDEN_PREFIX, NFSConfig, SillyFiles, silly_name  # type: ignore[no-redef]
+    # the same module, found beside this file when run by path
+    from nfs_model import HIDDEN_PREFIX, NFSConfig, SillyFiles, silly_name  # type: ignore[import-not-found, no-redef]
 
 
 def _make_operations(backing: str, config: NFSConfig) -> Any:
     """The mfusepy ``Operations`` of the filesystem (mfusepy is imported here, lazily)."""
     import mfusepy
 
-    class NFSOperations(mfusepy.Operations):  # type: ignore[misc]
+    class NFSOperations(mfusepy.Operations):
         use_ns = True
 
         def __init__(self) -> None:
@@ -283,12 +284,12 @@ def serve(backing: str, mountpoint: str, config: NFSConfig) -> None:
     """Mount and serve until unmounted (blocks). Needs libfuse3 and ``mfusepy``."""
     import mfusepy
 
-    class _FUSE(mfusepy.FUSE):  # type: ignore[misc]
+    class _FUSE(mfusepy.FUSE):
         # mfusepy drops rename flags; NFS has no RENAME_EXCHANGE or RENAME_NOREPLACE.
         def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
             if flags:
                 return -errno.EINVAL
-            return self.rename_fuse_2(old, new)  # type: ignore[no-any-return]
+            return self.rename_fuse_2(old, new)
 
     ops = _make_operations(backing, config)
     threading.Thread(target=_serve_control, args=(ops, mountpoint), name="nfs-control", daemon=True).start()

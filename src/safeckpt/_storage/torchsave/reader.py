@@ -245,7 +245,7 @@ def _read_layout(pickled: bytes) -> _Layout:
         return torch_private.typed_storage(untyped, dtype)
 
     unpickler = _WeightsOnlyUnpickler(io.BytesIO(pickled), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    unpickler.persistent_load = persistent_load
     tensor = unpickler.load()
     if not isinstance(tensor, torch.Tensor) or len(found) != 1:
         raise pickle.UnpicklingError("a DCP tensor archive holds one tensor")

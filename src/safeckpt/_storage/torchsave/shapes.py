@@ -46,7 +46,7 @@ class ArchiveShapes:
         index = item.storage_index
         tensor = self.tensors.get(index.fqn)
         chunks = getattr(tensor, "chunks", None)
-        if not chunks:
+        if tensor is None or not chunks:
             return None
         if len(chunks) == 1:  # a whole tensor: no search (this runs for each of 10,000 small tensors)
             chunk = chunks[0] if chunks[0].offsets == index.offset else None

@@ -12,13 +12,14 @@ import pickle
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from ..._util import torch_private
 from .reader import _ArchiveShape, _read_layout, _Record, _WeightsOnlyUnpickler
 from .zipformat import (
+    ArchiveStream,
     _central_directory,
     _data_offset,
     _data_start,
@@ -113,7 +114,8 @@ class _Records:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy declares ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def expected_shape(dtype: torch.dtype, sizes: Sequence[int]) -> _ArchiveShape | None:
@@ -150,14 +152,14 @@ def expected_shape(dtype: torch.dtype, sizes: Sequence[int]) -> _ArchiveShape | 
     return _ArchiveShape(recording.tell(), head, layout, record, masks, _masked(tail, masks))
 
 
-def _write_entries(stream: IO[bytes], records: list[tuple[str, memoryview]]) -> list[_Entry]:
+def _write_entries(stream: ArchiveStream, records: list[tuple[str, memoryview]]) -> list[_Entry]:
     start = stream.tell()
     entries = [_write_record(stream, start, f"archive/{name}".encode(), data) for name, data in records]
     _write_directory(stream, start, entries)
     return entries
 
 
-def _write_archive(stream: IO[bytes], records: list[tuple[str, memoryview]]) -> int:
+def _write_archive(stream: ArchiveStream, records: list[tuple[str, memoryview]]) -> int:
     start = stream.tell()
     _write_entries(stream, records)
     return stream.tell() - start
@@ -167,7 +169,8 @@ def _storage_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of the tensor's whole storage, which it owns (it may be strided), without a copy."""
     if tensor.is_contiguous() and tensor.storage_offset() == 0:  # its own bytes: 2 us instead of 8
         with contextlib.suppress(TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8)
-            return memoryview(tensor.numpy()).cast("B")
+            # numpy declares ndarray.__buffer__ only for Python >= 3.12 (it has the buffer protocol)
+            return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
     return _bytes_of(torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()))
 
 
@@ -209,7 +212,7 @@ class _ArchiveWriter:
         self._serialization_id = f"{secrets.randbits(128):040d}".encode()
         self._tails: dict[_Template, bytes] = {}  # each template's tail with that id in it
 
-    def write(self, stream: IO[bytes], tensor: torch.Tensor) -> int:
+    def write(self, stream: ArchiveStream, tensor: torch.Tensor) -> int:
         """Write ``tensor`` at the stream's position; return the archive's length.
 
         ``tensor`` must be a CPU tensor that owns its whole storage, under 4 GiB.
@@ -261,7 +264,7 @@ def _layout_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     return (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), nbytes)
 
 
-def write_tensor_archive(stream: IO[bytes], tensor: torch.Tensor) -> int:
+def write_tensor_archive(stream: ArchiveStream, tensor: torch.Tensor) -> int:
     """Write ``tensor`` as ``torch.save`` would, at the stream's position; return the archive's length.
 
     ``tensor`` must be a CPU tensor that owns its whole storage, under 4 GiB, and

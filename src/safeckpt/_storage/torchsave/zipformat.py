@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ..._format.checksums import SegmentRecorder, crc32
 
@@ -31,6 +31,15 @@ _LOCAL_SIG, _CENTRAL_SIG = struct.pack("<I", _SIG_LOCAL), struct.pack("<I", _SIG
 _EOCD64_SIG, _EOCD_SIG = struct.pack("<I", _SIG_EOCD64), struct.pack("<I", _SIG_EOCD)
 _CHUNK = 1 << 20  # checksummed, then written while still in cache
 _SMALL = 64 << 10  # smaller writes are joined into one
+
+
+class ArchiveStream(Protocol):
+    """What an archive is written to: a binary file, a :class:`_Recording` or a
+    :class:`_ChecksummedStream`."""
+
+    def write(self, data: Any, /) -> int: ...
+
+    def tell(self) -> int: ...
 
 
 def _padding(offset: int) -> bytes:
@@ -54,7 +63,7 @@ class _Entry:
         return _FLAGS if self.size else _FLAGS_EMPTY
 
 
-def _write_record(stream: IO[bytes], start: int, name: bytes, data: memoryview) -> _Entry:
+def _write_record(stream: ArchiveStream, start: int, name: bytes, data: memoryview) -> _Entry:
     offset = stream.tell() - start
     extra = _padding(offset + _LOCAL.size + len(name))
     flags = _FLAGS if len(data) else _FLAGS_EMPTY
@@ -70,7 +79,7 @@ def _write_record(stream: IO[bytes], start: int, name: bytes, data: memoryview) 
     return _Entry(name, offset, len(data), crc)
 
 
-def _write_data(stream: IO[bytes], data: memoryview) -> int:
+def _write_data(stream: ArchiveStream, data: memoryview) -> int:
     """Write a record's bytes; their CRC32 (0 into a :class:`_Recording`, which keeps no large data)."""
     if len(data) < _SMALL:
         stream.write(data)
@@ -81,15 +90,15 @@ def _write_data(stream: IO[bytes], data: memoryview) -> int:
     # Checksum a chunk, then write it while it is still in cache: on a disk-bound write the
     # checksum then costs next to nothing. (A helper thread checksumming in parallel was slower
     # on 2 cores: it took the CPU the kernel's writeback needs.)
-    checked = isinstance(stream, _ChecksummedStream)
-    raw = stream.write_unchecksummed if checked else stream.write
+    checked = stream if isinstance(stream, _ChecksummedStream) else None
+    raw = stream.write if checked is None else checked.write_unchecksummed
     crc = 0
     for begin in range(0, len(data), _CHUNK):
         chunk = data[begin : begin + _CHUNK]
         crc = crc32(chunk, crc)
         raw(chunk)
-    if checked:
-        stream.absorb(crc, len(data))  # the file's segment CRC, without a second pass over the data
+    if checked is not None:
+        checked.absorb(crc, len(data))  # the file's segment CRC, without a second pass over the data
     return crc
 
 
@@ -123,11 +132,11 @@ class _Template:
             position = None if i == varying[0] else _data_start(entry) - data_end
             self._patches.append((at, position, entry.size))
 
-    def write(self, stream: IO[bytes], data: memoryview, *records: bytes) -> int:
+    def write(self, stream: ArchiveStream, data: memoryview, *records: bytes) -> int:
         """Write an archive of this layout holding ``data`` (and these varying records); its length."""
         return self.write_with(stream, data, self.records_tail(*records))
 
-    def write_with(self, stream: IO[bytes], data: memoryview, records_tail: bytes) -> int:
+    def write_with(self, stream: ArchiveStream, data: memoryview, records_tail: bytes) -> int:
         """:meth:`write`, with the other varying records patched in already (:meth:`records_tail`)."""
         if len(data) != self.data_size:
             raise ValueError(f"a template for {self.data_size} bytes got {len(data)}")
@@ -267,7 +276,7 @@ class _ChecksummedStream:
             self._fed = 0
 
 
-def _write_directory(stream: IO[bytes], start: int, entries: Sequence[_Entry]) -> None:
+def _write_directory(stream: ArchiveStream, start: int, entries: Sequence[_Entry]) -> None:
     directory = stream.tell() - start
     parts = []
     for e in entries:

@@ -22,7 +22,7 @@ import pytest
 from s3_server import REGION, S3Bucket, in_ci
 from server_process import ServerProcess
 
-BINARY = Path(__file__).with_name("npm") / "node_modules" / ".bin" / "s3rver"
+BINARY = Path(__file__).parent.parent / "npm" / "node_modules" / ".bin" / "s3rver"
 
 
 class S3rver(ServerProcess):

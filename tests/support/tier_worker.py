@@ -1,6 +1,6 @@
 """A training process with two tiers that SIGKILLs itself at one point of saving step 3 (test_tiers.py).
 
-    python tests/tier_worker.py ROOT LOCAL_DIR POINT
+    python tests/support/tier_worker.py ROOT LOCAL_DIR POINT
 
 Saves steps 1, 2, 3 with ``local_dir=`` (each step's tensor filled with the step), waiting for
 each upload before the next save, and dies at ``POINT`` of step 3:
@@ -70,9 +70,12 @@ def _arm(point: str) -> None:
             target.store.make_dir(target.key)
             checksum = parse_checksums(record.checksums, record.files, where=str(source))[first]
             copy_file(source / first, target / first, size=record.files[first], checksum=checksum, step=3)
-            with target.store.open_write((target / last).key) as out:
+
+            def half(out):  # type: ignore[no-untyped-def]
                 out.write(b"\0" * max(1, record.files[last] // 2))
                 _die()
+
+            target.store.write_stream((target / last).key, half)
 
         durable.copy_checkpoint = copy
     elif point == "durable_commit":

@@ -22,7 +22,7 @@ import pytest
 from s3_server import in_ci
 from server_process import ServerProcess
 
-BINARY = Path(__file__).with_name("npm") / "node_modules" / ".bin" / "azurite-blob"
+BINARY = Path(__file__).parent.parent / "npm" / "node_modules" / ".bin" / "azurite-blob"
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # published
 

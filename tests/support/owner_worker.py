@@ -1,6 +1,6 @@
 """A training job for the ownership tests, run as its own process: ``python owner_worker.py ROOT LOG``.
 
-Run under ``unshare --uts`` (tests/other_host.py) it plays a job on another machine. It opens
+Run under ``unshare --uts`` (tests/support/other_host.py) it plays a job on another machine. It opens
 the root as a writer, restores, then saves one step every ``--every`` seconds, and writes each
 event to LOG as one line, flushed at once, so a test can follow it:
 
