@@ -4,8 +4,8 @@
 the protocol it implements, so a method whose parameters or result drift from the
 protocol's (a keyword added on one side only, a changed return type) fails the check.
 The protocols are :class:`~safeckpt._store.base.Store` (with the handles and lock its
-methods return) and :class:`~safeckpt._objstore.client.ObjectClient` (S3's, GCS's and Azure's clients). Nothing calls
-these functions, and nothing imports this module at run time.
+methods return) and :class:`~safeckpt._objstore.client.ObjectClient` (S3's, GCS's and
+Azure's clients). Nothing calls these functions, and nothing imports this module at run time.
 """
 
 from __future__ import annotations
