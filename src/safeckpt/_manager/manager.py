@@ -184,7 +184,6 @@ class CheckpointManager:
         self.registrar = registrar
         self.registration_timeout = positive_seconds("registration_timeout", registration_timeout)
         self.upload_timeout = positive_seconds("upload_timeout", upload_timeout)
-        self.schedule = schedule
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
         ranks = Participants.create(timeout=timeout, group=process_group)
@@ -353,6 +352,17 @@ class CheckpointManager:
         with self._api_lock:  # its collective must not overlap a close() from another thread
             self._check_open()
             return self._triggers.should_save(step)
+
+    @property
+    def schedule(self) -> SaveSchedule | None:
+        """When :meth:`should_save` says to save; assign another to change it from the next call."""
+        return self._triggers.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: SaveSchedule | None) -> None:
+        if schedule is not None and not isinstance(schedule, SaveSchedule):
+            raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        self._triggers.schedule = schedule
 
     @property
     def preempted(self) -> bool:
