@@ -104,7 +104,7 @@ class AzureClient:
             raise PreconditionFailed(key)
         if reply.status == 404 and replacing is not None and _code(reply) == "BlobNotFound":
             raise PreconditionFailed(key)
-        return self._etag(self._ok(reply, key), key)
+        return self._etag(self._http.ok(reply, key), key)
 
     def get(self, key: str, *, start: int | None = None, length: int | None = None) -> Got:
         headers: dict[str, str] = {}
@@ -117,7 +117,7 @@ class AzureClient:
         reply = self._request("GET", self._url(key), key, headers=headers)
         if reply.status == 416:
             raise ObjectStoreError("InvalidRange", 416, "the range starts past the blob's end", key)
-        self._ok(reply, key)
+        self._http.ok(reply, key)
         return Got(
             reply.body,
             self._etag(reply, key),
@@ -127,7 +127,7 @@ class AzureClient:
         )
 
     def head(self, key: str) -> Head:
-        reply = self._ok(self._request("HEAD", self._url(key), key), key)
+        reply = self._http.ok(self._request("HEAD", self._url(key), key), key)
         return Head(
             int(reply.headers.get("content-length", 0)), self._etag(reply, key), _metadata(reply.headers)
         )
@@ -135,7 +135,7 @@ class AzureClient:
     def delete(self, key: str) -> None:
         reply = self._request("DELETE", self._url(key), key)
         if reply.status != 404:
-            self._ok(reply, key)
+            self._http.ok(reply, key)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -152,7 +152,7 @@ class AzureClient:
         if limit is not None:
             query["maxresults"] = str(limit)
         while True:
-            reply = self._ok(self._request("GET", f"{self._base}?{urlencode(query)}", prefix), prefix)
+            reply = self._http.ok(self._request("GET", f"{self._base}?{urlencode(query)}", prefix), prefix)
             try:
                 root = ET.fromstring(reply.body)
             except ET.ParseError as e:
@@ -178,7 +178,7 @@ class AzureClient:
         block = base64.b64encode(f"{upload_id}-{number:06d}".encode()).decode()
         query = urlencode({"comp": "block", "blockid": block})
         headers = {"Content-MD5": _md5(data)}
-        self._ok(self._request("PUT", f"{self._url(key)}?{query}", key, body=data, headers=headers), key)
+        self._http.ok(self._request("PUT", f"{self._url(key)}?{query}", key, body=data, headers=headers), key)
         return block
 
     def finish_upload(self, key: str, upload_id: str, parts: builtins.list[Any]) -> str:
@@ -192,7 +192,7 @@ class AzureClient:
             body=data,
             headers={"Content-Type": "application/xml"},
         )
-        return self._etag(self._ok(reply, key), key)
+        return self._etag(self._http.ok(reply, key), key)
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Discard the blocks now: an empty block list committed create-only (never over a blob
@@ -235,11 +235,6 @@ class AzureClient:
                 self.settings.account, self.settings.key, method, url, headers
             )
         return headers
-
-    def _ok(self, reply: Reply, key: str) -> Reply:
-        if 200 <= reply.status < 300:
-            return reply
-        raise self._http.refusal(reply, key)
 
     @staticmethod
     def _etag(reply: Reply, key: str) -> str:

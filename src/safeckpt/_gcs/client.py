@@ -129,7 +129,7 @@ class GcsClient:
         if reply.status == 412:
             raise PreconditionFailed(key)
         self._bucket_there(reply, key)
-        return self._generation(self._ok(reply, key), key)
+        return self._generation(self._http.ok(reply, key), key)
 
     def get(self, key: str, *, start: int | None = None, length: int | None = None) -> Got:
         if start is None:
@@ -141,7 +141,7 @@ class GcsClient:
         reply = self._request("GET", self._media(key), key, headers={"Range": f"bytes={start}-{end}"})
         if reply.status == 416:
             raise ObjectStoreError("InvalidRange", 416, "the range starts past the object's end", key)
-        self._ok(reply, key)
+        self._http.ok(reply, key)
         token = reply.headers.get("x-goog-generation", "")
         return Got(reply.body, token, content_size(reply), {}, None)
 
@@ -149,12 +149,12 @@ class GcsClient:
         """The metadata, then the bytes of that generation (the bytes of a newer one: read again)."""
         for _ in range(_TRIES_OF_A_CONSISTENT_READ):
             reply = self._request("GET", self._object(key), key)
-            resource = self._json(self._ok(reply, key), key)
+            resource = self._json(self._http.ok(reply, key), key)
             generation = str(resource.get("generation", ""))
             media = self._request("GET", self._media(key, ifGenerationMatch=generation), key)
             if media.status in (412, 404):  # replaced or removed between the two requests
                 continue
-            self._ok(media, key)
+            self._http.ok(media, key)
             return Got(
                 media.body,
                 generation,
@@ -165,7 +165,7 @@ class GcsClient:
         raise ObjectStoreError("Changing", 409, "the object kept changing while it was read", key)
 
     def head(self, key: str) -> Head:
-        resource = self._json(self._ok(self._request("GET", self._object(key), key), key), key)
+        resource = self._json(self._http.ok(self._request("GET", self._object(key), key), key), key)
         return Head(
             int(resource.get("size", 0)), str(resource.get("generation", "")), resource.get("metadata") or {}
         )
@@ -173,7 +173,7 @@ class GcsClient:
     def delete(self, key: str) -> None:
         reply = self._request("DELETE", self._object(key), key)
         if reply.status != 404:
-            self._ok(reply, key)
+            self._http.ok(reply, key)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -192,7 +192,7 @@ class GcsClient:
         while True:
             reply = self._request("GET", f"{self._objects}?{urlencode(query)}", prefix)
             self._bucket_there(reply, prefix)
-            page = self._json(self._ok(reply, prefix), prefix)
+            page = self._json(self._http.ok(reply, prefix), prefix)
             objects.extend((o["name"], int(o.get("size", 0))) for o in page.get("items") or ())
             prefixes.extend(page.get("prefixes") or ())
             token = page.get("nextPageToken")
@@ -214,7 +214,7 @@ class GcsClient:
         if reply.status == 412:
             raise PreconditionFailed(key)
         self._bucket_there(reply, key)
-        session = self._ok(reply, key).headers.get("location", "")
+        session = self._http.ok(reply, key).headers.get("location", "")
         if not session:
             raise ObjectStoreError("NoSession", reply.status, "no resumable upload session was given", key)
         with self._guard:
@@ -280,7 +280,7 @@ class GcsClient:
         if reply.status in (200, 201):
             return self._generation(reply, key)
         if reply.status in (404, 410):  # finished by an earlier try whose reply was lost?
-            resource = self._json(self._ok(self._request("GET", self._object(key), key), key), key)
+            resource = self._json(self._http.ok(self._request("GET", self._object(key), key), key), key)
             if int(resource.get("size", -1)) == total and resource.get("md5Hash") == digest:
                 return str(resource["generation"])
         raise self._http.refusal(reply, key)
@@ -335,11 +335,6 @@ class GcsClient:
         """A 404 to a request on the bucket itself (a listing, an upload): no bucket."""
         if reply.status == 404:
             raise ObjectStoreError("NoSuchBucket", 404, f"no bucket {self.bucket!r}", key)
-
-    def _ok(self, reply: Reply, key: str) -> Reply:
-        if 200 <= reply.status < 300:
-            return reply
-        raise self._http.refusal(reply, key)
 
     @staticmethod
     def _json(reply: Reply, key: str) -> dict[str, Any]:

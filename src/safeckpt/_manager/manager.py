@@ -170,8 +170,7 @@ class CheckpointManager:
                 "overlap_staging=True copies the state in the background after save() returns; it "
                 "needs async_save=True (a sync save has written the state when it returns)."
             )
-        if schedule is not None and not isinstance(schedule, SaveSchedule):
-            raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        _check_schedule(schedule)
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         store = open_store(root, ops=file_ops, options=storage_options)
@@ -360,8 +359,7 @@ class CheckpointManager:
 
     @schedule.setter
     def schedule(self, schedule: SaveSchedule | None) -> None:
-        if schedule is not None and not isinstance(schedule, SaveSchedule):
-            raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        _check_schedule(schedule)
         self._triggers.schedule = schedule
 
     @property
@@ -490,3 +488,8 @@ def _register_atexit(manager: CheckpointManager) -> Any:
 
 def _unregister_atexit(hook: Any) -> None:
     atexit.unregister(hook)
+
+
+def _check_schedule(schedule: object) -> None:
+    if schedule is not None and not isinstance(schedule, SaveSchedule):
+        raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")

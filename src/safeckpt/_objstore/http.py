@@ -120,6 +120,12 @@ class Http:
         """Any reply, even a refusal, shows the service answers."""
         self._pool.request("HEAD", self.endpoint + "/", timeout=self._probe_timeout)
 
+    def ok(self, reply: Reply, key: str) -> Reply:
+        """``reply`` if it is a success (2xx), else its :meth:`refusal` raised."""
+        if 200 <= reply.status < 300:
+            return reply
+        raise self.refusal(reply, key)
+
     def refusal(self, reply: Reply, key: str) -> OSError:
         """What a reply that refused means: :class:`NotFound` for 404, else the service's code."""
         code = self._code(reply)
