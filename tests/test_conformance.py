@@ -1,6 +1,7 @@
 """What every store must do, written once and run against each (as fsspec's abstract tests are).
 
-Three stores: the local one (POSIX), S3 on the moto server, and an in-memory object store whose
+Five stores: the local one (POSIX), S3 on the moto server, GCS on fake-gcs-server, Azure Blob on
+Azurite, and an in-memory object store whose
 client is written outside the package and registered through ``safeckpt.storage`` (a new
 backend proves itself the same way: by passing this file). The seam's guarantees
 (``safeckpt._store.base``): whole files replaced atomically, names listed by kind and size,
@@ -39,7 +40,7 @@ from safeckpt._store.base import DIR, FILE
 from safeckpt._store.loc import Loc
 from safeckpt._store.registry import open_store
 
-KINDS = ["posix", "s3", "memory"]
+KINDS = ["posix", "s3", "memory", "gcs", "azure"]
 
 
 class Killed(BaseException):
@@ -59,11 +60,14 @@ class Kind:
             from safeckpt._posix.store import PosixStore
 
             return PosixStore(Path(self.url))
-        if self.name == "s3":
-            from safeckpt._s3 import open_root
+        if self.name == "memory":
+            return memory_objects.open_root(self.url)
+        # A new store each time, as a new process opens it (open_store keeps one per URL).
+        from safeckpt._azure import open_root as azure
+        from safeckpt._gcs import open_root as gcs
+        from safeckpt._s3 import open_root as s3
 
-            return open_root(self.url)
-        return memory_objects.open_root(self.url)
+        return {"s3": s3, "gcs": gcs, "azure": azure}[self.name](self.url)
 
     def dying(self, after: int) -> Any:
         """A fresh store that makes ``after`` changes, then dies."""
@@ -133,6 +137,10 @@ def kind(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
         yield Kind("posix", str(root))
     elif request.param == "s3":
         yield Kind("s3", request.getfixturevalue("s3_bucket").url("root"))
+    elif request.param == "gcs":
+        yield Kind("gcs", request.getfixturevalue("gcs_bucket").url("root"))
+    elif request.param == "azure":
+        yield Kind("azure", request.getfixturevalue("azure_container").url("root"))
     else:
         memory_objects.register()  # from outside the package, through the public API
         yield Kind("memory", f"memory://conformance-{time.monotonic_ns()}/root")

@@ -273,13 +273,25 @@ def test_each_nodes_parts_wait_while_the_root_refuses_writes_and_go_up_once_it_i
     # parts; once the prefix is back, the backlog goes up and every step is committed there.
     url, nodes = s3_bucket.url("ranks/down"), str(tmp_path / "node{rank}")
     options = {**s3_bucket.storage_options, "endpoint_url": s3_proxy.endpoint, "max_attempts": 1}
-    s3_proxy.fail_next(100_000, status=503, code="SlowDown", method="PUT")
-    back = threading.Timer(20.0, s3_proxy.clear)
+    refusals = 100_000
+    s3_proxy.fail_next(refusals, status=503, code="SlowDown", method="PUT")
+    done = threading.Event()
+
+    def back_once_refused() -> None:
+        # Back some seconds after the uploads met the outage (not after a fixed time: on a busy
+        # machine the jobs may not reach their first upload for a while).
+        while not done.is_set() and refusals - s3_proxy.pending() < 4:
+            done.wait(0.2)
+        done.wait(8.0)
+        s3_proxy.clear()
+
+    back = threading.Thread(target=back_once_refused, daemon=True)
     back.start()
     try:
         saved = _launch("tiers_root_down", url, tmp_path / "r", options=options, local_dir=nodes)
     finally:
-        back.cancel()
+        done.set()
+        back.join()
     assert [s["latest"] for s in saved] == [3, 3]
     assert saved[0]["failures"] >= 1  # wait(durable=True) said so while the prefix was down
     keys = s3_bucket.keys()  # every key of the bucket

@@ -111,6 +111,10 @@ def test_schedule_must_be_a_save_schedule(root: Path) -> None:
     with pytest.raises(ConfigError, match="SaveSchedule"):
         CheckpointManager(root, schedule={"every": 3})  # type: ignore[arg-type]
     assert not root.exists()
+    with CheckpointManager(root, schedule=SaveSchedule(every=2)) as mgr:
+        with pytest.raises(ConfigError, match="SaveSchedule"):
+            mgr.schedule = 5  # type: ignore[assignment]
+        assert mgr.should_save(2) and not mgr.should_save(3)  # the schedule it had is kept
 
 
 # --- retention -------------------------------------------------------------------------

@@ -25,6 +25,9 @@ NOT_A_ROOT = {
     "cli/common.py",
     # the demo's exported weights file, where the user asked for it
     "cli/demo_run.py",
+    # the Trainer's own checkpoint-N folder (an import) and the temporary folder its resume reads
+    "hf/trainer.py",
+    "hf/trainer_state.py",
 }
 
 OS_CALLS = {

@@ -45,9 +45,8 @@ def _everything_under(top: Path) -> list[str]:
         pytest.param("s3:/train/x", "did you mean 's3://train/x'?", id="s3-one-slash"),
         pytest.param("s3:train/x", "did you mean 's3://train/x'?", id="s3-no-slash"),
         pytest.param("S3:/train/x", "did you mean 's3://train/x'?", id="s3-upper-one-slash"),
-        pytest.param(
-            "gs:/bucket/x", "did you mean 'gs://bucket/x'? safeckpt has no storage for gs://", id="gs"
-        ),
+        pytest.param("gs:/bucket/x", "did you mean 'gs://bucket/x'?", id="gs-one-slash"),
+        pytest.param("az:container/x", "did you mean 'az://container/x'?", id="az-no-slash"),
         pytest.param("https:cache", "did you mean 'https://cache'?", id="https-no-slash"),
         pytest.param("file:/tmp/y", "did you mean 'file:///tmp/y'?", id="file-one-slash"),
         pytest.param("file:runs/y", "a file: URL names an absolute path", id="file-relative"),
@@ -59,7 +58,6 @@ def _everything_under(top: Path) -> list[str]:
             id="s3-upper",
         ),
         pytest.param("FILE:///tmp/y", "did you mean 'file:///tmp/y'?", id="file-upper"),
-        pytest.param("gs://bucket/x", "no storage for gs:// roots", id="gs-unserved"),
         pytest.param("http://host/x", "no storage for http:// roots", id="http-unserved"),
     ],
 )

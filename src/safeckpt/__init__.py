@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 # register the stores (local paths, s3:// URLs) and the second tier (local_dir=)
-from . import _posix, _s3, _tiers  # noqa: F401
+from . import _azure, _gcs, _posix, _s3, _tiers  # noqa: F401
 from ._version import __version__
 from .errors import (
     CheckpointError,

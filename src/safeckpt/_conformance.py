@@ -4,8 +4,8 @@
 the protocol it implements, so a method whose parameters or result drift from the
 protocol's (a keyword added on one side only, a changed return type) fails the check.
 The protocols are :class:`~safeckpt._store.base.Store` (with the handles and lock its
-methods return) and :class:`~safeckpt._objstore.client.ObjectClient`. Nothing calls
-these functions, and nothing imports this module at run time.
+methods return) and :class:`~safeckpt._objstore.client.ObjectClient` (S3's, GCS's and
+Azure's clients). Nothing calls these functions, and nothing imports this module at run time.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._azure.client import AzureClient
+    from ._gcs.client import GcsClient
     from ._objstore.client import ObjectClient
     from ._objstore.store import ObjectRootStore
     from ._posix.store import PosixStore
@@ -29,4 +31,12 @@ def object_root_store(store: ObjectRootStore) -> Store:
 
 
 def s3_client(client: S3Client) -> ObjectClient:
+    return client
+
+
+def gcs_client(client: GcsClient) -> ObjectClient:
+    return client
+
+
+def azure_client(client: AzureClient) -> ObjectClient:
     return client

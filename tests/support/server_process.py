@@ -38,6 +38,9 @@ class ServerProcess:
     def env(self) -> dict[str, str] | None:
         return None  # the test process's own
 
+    def cwd(self) -> Path | None:
+        return None  # the test process's own
+
     def ready(self) -> bool:
         """Whether the server answers (an ``OSError`` counts as not yet)."""
         raise NotImplementedError
@@ -48,7 +51,12 @@ class ServerProcess:
         try:
             # Its own session: one killpg stops it and any worker it forks.
             self._proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                cwd=self.cwd(),
+                start_new_session=True,
             )
         finally:
             log.close()

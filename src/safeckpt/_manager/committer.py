@@ -231,7 +231,7 @@ class Committer:
                 reuse=self._reuse(job),
             )
             train_name = train_state_filename(ranks.rank)
-            self._store.write_atomic((job.staging_dir / train_name).key, job.train_state)
+            self._store.write_new((job.staging_dir / train_name).key, job.train_state)
             sums = {name: None if c is None else c.to_json() for name, c in written.checksums.items()}
             contents = {name: c.to_json() for name, c in written.contents.items()}
             sums[train_name] = FileChecksum.whole(job.train_state).to_json()

@@ -170,8 +170,7 @@ class CheckpointManager:
                 "overlap_staging=True copies the state in the background after save() returns; it "
                 "needs async_save=True (a sync save has written the state when it returns)."
             )
-        if schedule is not None and not isinstance(schedule, SaveSchedule):
-            raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")
+        _check_schedule(schedule)
         io = resolve_io(verify=verify, direct_io=direct_io, dcp_io=dcp_io)
         signals = PreemptionHandlers(preemption_signals)  # checks them before anything is opened
         store = open_store(root, ops=file_ops, options=storage_options)
@@ -184,7 +183,6 @@ class CheckpointManager:
         self.registrar = registrar
         self.registration_timeout = positive_seconds("registration_timeout", registration_timeout)
         self.upload_timeout = positive_seconds("upload_timeout", upload_timeout)
-        self.schedule = schedule
         self._closed = False
         self._api_lock = threading.RLock()  # orders save() and close() called from different threads
         ranks = Participants.create(timeout=timeout, group=process_group)
@@ -355,6 +353,16 @@ class CheckpointManager:
             return self._triggers.should_save(step)
 
     @property
+    def schedule(self) -> SaveSchedule | None:
+        """When :meth:`should_save` says to save; assign another to change it from the next call."""
+        return self._triggers.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: SaveSchedule | None) -> None:
+        _check_schedule(schedule)
+        self._triggers.schedule = schedule
+
+    @property
     def preempted(self) -> bool:
         """True once :meth:`should_save` has seen a preemption signal (on any rank); same on every rank."""
         return self._triggers.preempted
@@ -480,3 +488,8 @@ def _register_atexit(manager: CheckpointManager) -> Any:
 
 def _unregister_atexit(hook: Any) -> None:
     atexit.unregister(hook)
+
+
+def _check_schedule(schedule: object) -> None:
+    if schedule is not None and not isinstance(schedule, SaveSchedule):
+        raise ConfigError(f"schedule must be a safeckpt.SaveSchedule, got {type(schedule).__name__}.")

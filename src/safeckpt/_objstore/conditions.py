@@ -45,12 +45,22 @@ def check_conditional_writes(client: ObjectClient, prefix: str, url: str) -> Non
             f"{url}: the server at {client.endpoint} {problem}. safeckpt commits a checkpoint, moves "
             "`latest` and holds its lock with conditional writes; on a server that does not honour "
             "them, two writers could both win and a stale write could undo a newer one, so it is "
-            "not written to. Use a server that honours If-None-Match and If-Match on PUT (AWS S3, "
-            "a current MinIO or Ceph RGW), or open the root with read_only=True to only read.",
+            "not written to. Use a server that honours them (AWS S3, a current MinIO or Ceph RGW; "
+            "Google Cloud Storage or fake-gcs-server; Azure Blob Storage or Azurite), or open the "
+            "root with read_only=True to only read.",
             path=url,
         )
     with _guard:
         _checked.add(where)
+
+
+def another_token(token: str) -> str:
+    """A token of the same form as ``token`` (an ETag, a generation) that is surely not it: its
+    last letter or digit changed, so a service that parses tokens takes it and finds no match."""
+    for i in range(len(token) - 1, -1, -1):
+        if token[i].isalnum():
+            return token[:i] + ("1" if token[i] == "0" else "0") + token[i + 1 :]
+    return token + "0"
 
 
 def _probe(client: ObjectClient, key: str) -> str | None:
@@ -66,10 +76,10 @@ def _probe(client: ObjectClient, key: str) -> str | None:
             if e.status in (400, 501):
                 return f"does not implement If-None-Match on PUT ({e.code}, {e.status})"
             raise
-        wrong = '"' + "0" * 32 + '"'
+        wrong = another_token(etag)
         try:
             client.put(key, b"third", replacing=wrong)
-            return "ignores If-Match (a PUT on a wrong ETag succeeded)"
+            return "ignores If-Match (a PUT on a wrong ETag or generation succeeded)"
         except PreconditionFailed:
             pass
         except ObjectStoreError as e:

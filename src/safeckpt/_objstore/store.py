@@ -10,7 +10,7 @@ the contract, and :mod:`.aliases` for how directories live without rename):
   ``final``: the one PUT is the commit.
 * ``move`` of a directory: the claim moved, the old marker deleted, the marker
   written at the new name; of a file: copied, then deleted.
-* ``write_atomic``: one PUT (an object is replaced whole); a
+* ``write_atomic``/``write_new``: one PUT (an object is replaced whole); a
   record of a committed checkpoint keeps its area in the rewritten marker.
 * ``write_pointer``: ``latest``, replacing only the token this store last read
   or wrote, so a second writer's move is an error, never silently undone.
@@ -339,6 +339,9 @@ class ObjectRootStore:
             self.aliases.learn(parent, dataclasses.replace(alias, size=len(data)))
             return
         self.client.put(self.aliases.file_key(name, fresh=True), data)
+
+    def write_new(self, name: str, data: bytes) -> None:
+        self.write_atomic(name, data)  # a PUT is both
 
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """One upload: the object appears, whole, when it completes; aborted if ``write`` raises."""

@@ -51,6 +51,9 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16,
 DEFAULT_SHARD_SIZE = 5 * 10**9
 DEFAULT_READ_BUDGET = 256 << 20
 INDEX_NAME = "model.safetensors.index.json"
+HF_CONFIG = "hf_config"
+"""A record's ``extra`` key holding a Hugging Face model config (``safeckpt.hf.attach`` saves it);
+the ``"hf"`` format writes it as ``config.json``, so ``from_pretrained`` loads the folder."""
 
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -355,11 +358,14 @@ def write_export(
                 _write_safetensors(tmp / name, plan, shard, metadata, advance, read_budget)
                 weight_map.update({t.name: name for t in shard})
             index = {"metadata": {"total_size": plan.total_bytes, **metadata}, "weight_map": weight_map}
-            store.write_atomic((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            store.write_new((tmp / INDEX_NAME).key, (json.dumps(index, indent=2) + "\n").encode())
+            config = plan.record.extra.get(HF_CONFIG) if plan.record is not None else None
+            if isinstance(config, Mapping):
+                store.write_new((tmp / "config.json").key, (json.dumps(config, indent=2) + "\n").encode())
             store.sync(tmp.key)
             # no moment without a whole output: the old folder ends at the temp name, removed below
             store.commit_dir(tmp.key, target.key, displaced=f"{tmp.key}.old", retired=tmp.key)
-            result.files = [*names, INDEX_NAME]
+            result.files = [*names, INDEX_NAME, *(["config.json"] if isinstance(config, Mapping) else [])]
         store.sync(target.parent.key)
     finally:
         for leftover in (tmp, target.parent / f"{tmp.name}.old"):

@@ -116,6 +116,9 @@ class PosixStore:
     def write_atomic(self, name: str, data: bytes) -> None:
         atomic_write(self.path(name), data, self.ops)
 
+    def write_new(self, name: str, data: bytes) -> None:
+        self.ops.write_file(self.path(name), data)
+
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         atomic_write_stream(self.path(name), write, self.ops)
 

@@ -153,6 +153,11 @@ class Store(Protocol):
 
     def write_atomic(self, name: str, data: bytes) -> None: ...
 
+    def write_new(self, name: str, data: bytes) -> None:
+        """A file of a save's own staging area, which no reader looks at before its commit: durable
+        when it returns, without ``write_atomic``'s rename (one per rank per save)."""
+        ...
+
     def write_stream(self, name: str, write: Callable[[Any], object]) -> None:
         """What ``write(file)`` writes, as one file: readers see the old file or the new one,
         whole; durable on return; nothing left behind if ``write`` raises."""
