@@ -4,12 +4,15 @@ byte checked.
 Writing: DCP's writers (safeckpt's raw one, or DCP's own with ``dcp_io="torch"``)
 on a :class:`ObjectFileSystem`, whose streams are multipart uploads, each part
 sent with its CRC32; the raw writer checksums every item as it goes out, as on
-disk. ``.metadata`` is written whole by DCP's ``finish``.
+disk. It writes a rank's tensors as up to ``max_concurrency`` objects of at
+least one part each, side by side: a service serves more bandwidth from several
+objects than from ranges of one, and a restore then reads each in few GETs.
+``.metadata`` is written whole by DCP's ``finish``.
 
-Reading: :class:`ObjectDcpReader` fetches each file's wanted ranges with
-parallel ranged GETs, checks every CRC32 segment it covers against the record's
-checksums before a byte reaches the state, and hands the items to DCP's planner
-as DCP's own reader does.
+Reading: :class:`ObjectDcpReader` fetches the wanted ranges of every file of the
+load through one window of parallel GETs (:mod:`.fetch`), checks every CRC32
+segment it covers against the record's checksums before a byte reaches the
+state, and hands the items to DCP's planner as DCP's own reader does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import bisect
 import contextlib
 import io
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -35,9 +38,9 @@ from .._storage.torchsave.shapes import ArchiveShapes
 from .._storage.writer import RawFileSystemWriter
 from .._store.handle_file import HandleFile
 from .client import NotFound
-from .transfer import RangeReader, pool
-
-_GAP = 1 << 20  # ranges closer than this are read as one GET
+from .fetch import Fetch
+from .fetch import plan as plan_gets
+from .transfer import RangeReader
 
 
 class ObjectFileSystem(FileSystemBase):
@@ -105,7 +108,8 @@ class _RawWriter(RawFileSystemWriter):
             share=share,
             sync_files=False,
             single_file_per_rank=True,
-            thread_count=1,
+            thread_count=store.settings.max_concurrency,
+            min_file_bytes=store.settings.part_size,
         )
         self.fs = ObjectFileSystem(store)  # type: ignore[assignment]  # DCP types it as its local one
         self._objects = store
@@ -162,14 +166,25 @@ class ObjectDcpReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in per_file.items():
-            self._read_file(name, items, planner)
+        # Every file's GETs planned as one list and fetched through one window (see .fetch):
+        # placing one item overlaps the GETs of the next, across files.
+        files = [self._file(name, items) for name, items in per_file.items()]
+        settings = self._store.settings
+        gets = plan_gets(
+            [(f.key, f.spans) for f in files],
+            part_size=settings.part_size,
+            concurrency=settings.max_concurrency,
+        )
+        window = 2 * settings.max_concurrency
+        with Fetch(self._store.client, gets, concurrency=settings.max_concurrency, window=window) as fetch:
+            for f in files:
+                self._place(f, fetch, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
-        key = self._keys.get(name) or self.fs.concat_path(self.path, name)
+    def _file(self, name: str, items: list[ReadItem]) -> _File:
+        key = self._keys.get(name) or str(self.fs.concat_path(self.path, name))
         shown = f"{self._shown}/{name}"  # how errors name the file: as the user names the checkpoint
         checksum = None if self._checksums is None else self._checksums.get(name)
         segments = None if checksum is None else _Segments(checksum, shown, self._step)
@@ -178,21 +193,20 @@ class ObjectDcpReader(FileSystemReader):
             info = self.storage_data[item.storage_index]
             start, end = info.offset, info.offset + info.length
             spans.append((start, end) if segments is None else segments.cover(start, end))
-        # In offset order, each item as soon as its parts are in: placing one overlaps the GETs
-        # of the next.
-        order = sorted(range(len(items)), key=lambda i: spans[i])
-        with _Download(self._store, str(key), spans) as download:
-            for i in order:
-                item, (start, end) = items[i], spans[i]
-                data = download.wait(start, end)
-                if segments is not None:
-                    segments.verify(start, data)
-                info = self.storage_data[item.storage_index]
-                view = data[info.offset - start : info.offset - start + info.length]
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(view))
-                elif not place_archive(view, [item], planner, self._shapes):
-                    self._load_as_dcp_does(item, view, planner)
+        order = sorted(range(len(items)), key=lambda i: spans[i])  # in offset order, as fetched
+        return _File(key, [items[i] for i in order], [spans[i] for i in order], segments)
+
+    def _place(self, file: _File, fetch: Fetch, planner: LoadPlanner) -> None:
+        for item, (start, end) in zip(file.items, file.spans, strict=True):
+            data = fetch.wait(file.key, start, end)
+            if file.segments is not None:
+                file.segments.verify(start, data)
+            info = self.storage_data[item.storage_index]
+            view = data[info.offset - start : info.offset - start + info.length]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(view))
+            elif not place_archive(view, [item], planner, self._shapes):
+                self._load_as_dcp_does(item, view, planner)
 
     def _load_as_dcp_does(self, item: ReadItem, view: memoryview, planner: LoadPlanner) -> None:
         tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
@@ -202,6 +216,15 @@ class ObjectDcpReader(FileSystemReader):
             raise AssertionError(f"{item.storage_index}: sizes {target.size()} and {tensor.size()} differ")
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+class _File(NamedTuple):
+    """One file of a load: its object, its items and their spans in offset order, its checksums."""
+
+    key: str
+    items: list[ReadItem]
+    spans: list[tuple[int, int]]
+    segments: _Segments | None
 
 
 class _Segments:
@@ -233,73 +256,3 @@ class _Segments:
             part = data[segment.offset - start : segment.offset - start + segment.length]
             if len(part) != segment.length or crc32(part) != segment.crc:
                 raise corrupt(self._shown, segment.offset, step=self._step)
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1] + _GAP:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-class _Download:
-    """The bytes of ``items`` (their ``(start, end)`` spans) of one object, in parallel ranged GETs
-    submitted at once; :meth:`wait` waits only for the GETs a span needs.
-
-    An item that lies in one GET's reply is a view of it, never copied here; only one that
-    straddles two GETs is assembled. Leaving the ``with`` block cancels the GETs that have not
-    started and waits for the rest."""
-
-    def __init__(self, store: Any, key: str, items: list[tuple[int, int]]) -> None:
-        settings = store.settings
-        self._key = key
-        self._client = store.client
-        self._etags: set[str] = set()  # of every reply: one, unless the object was replaced meanwhile
-        ranges = _requests(items, settings.part_size)
-        self._starts = [start for start, _ in ranges]
-        self._ranges = ranges
-        workers = pool(settings.max_concurrency)
-        self._replies = [workers.submit(self._get, start, end - start) for start, end in ranges]
-
-    def _get(self, offset: int, length: int) -> bytes:
-        got = self._client.get(self._key, start=offset, length=length)
-        self._etags.add(got.token)
-        if len(self._etags) > 1:
-            raise NotFound(2, "the object was replaced while it was read", self._key)
-        if len(got.data) != length:
-            raise EOFError(f"{self._key} is shorter than its metadata says")
-        return got.data
-
-    def wait(self, start: int, end: int) -> memoryview:
-        """Bytes ``[start, end)`` (an item's span), once the GETs that hold them are in."""
-        first = bisect.bisect_right(self._starts, start) - 1
-        last = bisect.bisect_left(self._starts, end)
-        pieces = [(self._ranges[i][0], self._replies[i].result()) for i in range(first, last)]
-        if len(pieces) == 1:
-            at, data = pieces[0]
-            return memoryview(data)[start - at : end - at]
-        joined = bytearray(end - start)
-        for at, data in pieces:
-            lo, hi = max(start, at), min(end, at + len(data))
-            joined[lo - start : hi - start] = memoryview(data)[lo - at : hi - at]
-        return memoryview(joined)
-
-    def __enter__(self) -> _Download:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for reply in self._replies:
-            reply.cancel()
-        for reply in self._replies:
-            if not reply.cancelled():
-                with contextlib.suppress(Exception):
-                    reply.result()
-
-
-def _requests(items: list[tuple[int, int]], part: int) -> list[tuple[int, int]]:
-    """The ranged GETs for the item spans ``items``: ranges closer than ``_GAP`` are read as one,
-    in GETs of one part each (fewer, larger GETs cost a server less than GETs cut at items)."""
-    return [(at, min(end, at + part)) for start, end in _merged(items) for at in range(start, end, part)]

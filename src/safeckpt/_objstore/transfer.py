@@ -2,7 +2,8 @@
 
 An upload is written as a stream (``write``/``tell``, as DCP's writers write a
 file) and goes out in parts of ``part_size`` bytes, ``max_concurrency`` at a
-time, each with its CRC32; memory is bounded by the parts in flight. An object
+time, each with its CRC32; memory is bounded by the parts in flight, twice the
+pool's threads for all the uploads of the process together. An object
 smaller than one part is one PUT. An upload that fails or is abandoned is
 aborted, so no unfinished upload is left behind by this process (one left by a
 killed process is collected by the next writer, see :mod:`.store`).
@@ -19,6 +20,7 @@ from typing import Any
 from .client import Got, NotFound, ObjectClient, ObjectStoreError
 
 _pools: dict[int, ThreadPoolExecutor] = {}
+_slots: dict[int, threading.Semaphore] = {}
 _pools_lock = threading.Lock()
 
 
@@ -31,6 +33,13 @@ def pool(workers: int) -> ThreadPoolExecutor:
         if found is None:
             found = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="safeckpt-s3")
         return found
+
+
+def _part_slots(workers: int) -> threading.Semaphore:
+    """The parts every upload of the process may hold at once on the pool of ``workers``: twice
+    its threads (one sending, one waiting each), however many files are written side by side."""
+    with _pools_lock:
+        return _slots.setdefault(workers, threading.Semaphore(2 * workers))
 
 
 class UploadStream(io.RawIOBase):
@@ -74,15 +83,18 @@ class UploadStream(io.RawIOBase):
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
             self._upload_id = self._client.start_upload(self._key)
-        # Bounded memory: wait for the oldest part when as many as the concurrency are in flight.
-        in_flight = [f for f in self._parts if not f.done()]
-        if len(in_flight) >= self._concurrency:
-            in_flight[0].result()
-        number = len(self._parts) + 1
-        upload_id = self._upload_id
-        self._parts.append(
-            pool(self._concurrency).submit(self._client.upload_part, self._key, upload_id, number, part)
-        )
+        # Bounded memory: a part waits for a slot, which the part before it frees once it is sent.
+        slots = _part_slots(self._concurrency)
+        slots.acquire()
+        try:
+            sent = pool(self._concurrency).submit(
+                self._client.upload_part, self._key, self._upload_id, len(self._parts) + 1, part
+            )
+        except BaseException:
+            slots.release()
+            raise
+        sent.add_done_callback(lambda _: slots.release())
+        self._parts.append(sent)
 
     def close(self, fsync: bool = True) -> None:
         if self._finished or self.closed:

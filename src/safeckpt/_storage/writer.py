@@ -74,12 +74,16 @@ class RawFileSystemWriter(FileSystemWriter):
         direct_io: bool = True,
         reuse: Reuse | None = None,
         share: Callable[[EarlierFile], bool] | None = None,
+        min_file_bytes: int = 0,
         **kwargs: Any,
     ) -> None:
         """``reuse``: the untrained tensors, grouped into files of their own, and the previous
         commit's files of them; ``share(file)`` makes such a file part of this checkpoint without
-        writing it (the store's way: a hard link), and says whether it could (see :mod:`.reuse`)."""
+        writing it (the store's way: a hard link), and says whether it could (see :mod:`.reuse`).
+        ``min_file_bytes``: with ``single_file_per_rank``, the tensors go into up to ``thread_count``
+        files of at least this many bytes each (0: always ``thread_count``)."""
         super().__init__(*args, **kwargs)
+        self._min_file_bytes = min_file_bytes
         self._direct_io = direct_io  # O_DIRECT for the data files where the filesystem takes it
         self._reuse = reuse
         self._share = share
@@ -96,7 +100,7 @@ class RawFileSystemWriter(FileSystemWriter):
         prefix = plan.storage_data.prefix
         untrained, trained = self._untrained(plan.items)
         if self.single_file_per_rank:
-            buckets = _split(trained, max(1, self.thread_count))
+            buckets = _split(trained, self._file_count(trained))
         else:
             buckets = [[item] for item in trained]
         names = [f"{prefix}{i}{DATA_SUFFIX}" for i in range(len(buckets))]
@@ -140,6 +144,13 @@ class RawFileSystemWriter(FileSystemWriter):
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _file_count(self, items: Sequence[WriteItem]) -> int:
+        most = max(1, self.thread_count)
+        if not self._min_file_bytes:
+            return most
+        tensor_bytes = sum(_item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
+        return max(1, min(most, tensor_bytes // self._min_file_bytes))
 
     def _untrained(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
         """The items of tensors nothing trains (grouped apart, see :mod:`.reuse`), and the rest."""
