@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import safeckpt
 from s3_proxy import S3FaultProxy
 from s3_ranks_launch import launch
 from safeckpt._store.registry import open_store
+from safeckpt._util.reachability import PROBE_EVERY
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,7 +57,8 @@ def cloud(request: pytest.FixtureRequest) -> Cloud:
 
 
 def _state(value: float) -> dict[str, Any]:
-    return {"w": torch.full((150_000,), value), "step": int(value)}  # 600 KB: parts of 256 KiB
+    # 1.2 MB: five parts of 256 KiB, more than one request takes (four)
+    return {"w": torch.full((300_000,), value), "step": int(value)}
 
 
 # --- every entry point ---------------------------------------------------------------------------
@@ -201,6 +204,8 @@ def test_a_server_that_stays_down_fails_the_save_within_the_deadline(faulty) -> 
         with pytest.raises(safeckpt.CheckpointError, match="not available"):
             mgr.save(2, _state(2.0))
         proxy.come_back()
+    # The process marked the service down: a request goes out again after the next probe is due.
+    time.sleep(PROBE_EVERY)
     assert safeckpt.load(url, storage_options=options)["step"] == 1  # nothing committed was lost
 
 

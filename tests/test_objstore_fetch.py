@@ -22,7 +22,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _data_keys(s3_bucket, step: int) -> list[str]:  # type: ignore[no-untyped-def]
-    found = [k for k in s3_bucket.keys() if f"step_{step}." in k and k.endswith(".distcp")]
+    found = [k for k in s3_bucket.keys() if f"step_{step}." in k and k.endswith(".distcp")]  # noqa: SIM118
     return sorted(found, key=lambda k: k.rpartition("/")[2])  # by name: keys start with a shard
 
 

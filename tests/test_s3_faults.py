@@ -13,12 +13,12 @@ from safeckpt.errors import SaveFailedError
 
 pytestmark = pytest.mark.timeout(300)
 
-PART = 5 << 20  # S3's smallest part: a 12 MiB file goes up in three
+PART = 5 << 20  # S3's smallest part: a 24 MiB file goes up in five (four would be one request)
 OPTIONS = {"part_size": PART, "max_concurrency": 3}
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((3 << 20,), value)}  # 12 MiB
+    return {"w": torch.full((6 << 20,), value)}  # 24 MiB
 
 
 def _data_requests(proxy, method: str):  # type: ignore[no-untyped-def]
@@ -42,7 +42,7 @@ def test_every_data_upload_carries_the_crc32_of_its_bytes(s3_proxy, s3_bucket) -
     with safeckpt.CheckpointManager(s3_bucket.url("crc"), async_save=False, storage_options=OPTIONS) as mgr:
         mgr.save(1, _state(2.0))
     uploads = [r for r in s3_proxy.seen(method="PUT") if r.fault is None]
-    assert len([r for r in uploads if "partNumber=" in r.query]) == 3  # the 12 MiB file, in 3 parts
+    assert len([r for r in uploads if "partNumber=" in r.query]) == 5  # the 24 MiB file, in 5 parts
     assert uploads and all(r.checksum_ok for r in uploads), [(r.path, r.checksum_ok) for r in uploads]
 
 
@@ -87,7 +87,7 @@ def test_a_server_that_keeps_failing_fails_the_save_on_time_and_loses_nothing(
             mgr.save(2, _state(2.0))
         s3_proxy.clear()
         attempts = [r for r in _data_requests(s3_proxy, "PUT") if r.fault == "fail"]
-        assert 1 <= len(attempts) <= 3 * 4  # each request tried max_attempts times, then given up
+        assert 1 <= len(attempts) <= 3 * 5  # each of the 5 parts tried max_attempts times, then given up
         with caplog.at_level(logging.WARNING):
             mgr.save(3, _state(3.0))  # the server is back: saving goes on
     with safeckpt.CheckpointManager(root, storage_options=options) as mgr:

@@ -41,7 +41,7 @@ def main() -> None:
 
     http.Http.request = request  # type: ignore[method-assign]
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    state = {"w": torch.zeros(150_000), "step": 0}  # 600 KB: three parts
+    state = {"w": torch.zeros(300_000), "step": 0}  # 1.2 MB: five parts (four would be one request)
     with CheckpointManager(
         root, async_save=False, retention=Retention(keep_last=2), storage_options=OPTIONS
     ) as mgr:

@@ -3,9 +3,9 @@
 An upload is written as a stream (``write``/``tell``, as DCP's writers write a
 file) and goes out in parts of ``part_size`` bytes, ``max_concurrency`` at a
 time, each with its CRC32; memory is bounded by the parts in flight, twice the
-pool's threads for all the uploads of the process together. An object
-smaller than one part is one PUT. An upload that fails or is abandoned is
-aborted, so no unfinished upload is left behind by this process (one left by a
+pool's threads for all the uploads of the process together. A small object
+(:func:`single_request_limit`) is one PUT, sent when it is closed. An upload
+that fails or is abandoned is aborted, so no unfinished upload is left behind by this process (one left by a
 killed process is collected by the next writer, see :mod:`.store`).
 """
 
@@ -18,6 +18,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .client import Got, NotFound, ObjectClient, ObjectStoreError
+
+SINGLE_REQUEST_PARTS = 4
+SINGLE_REQUEST_MOST = 256 << 20  # every service takes a PUT this large; a buffer this size per file
+
+
+def single_request_limit(part_size: int) -> int:
+    """The largest object that goes up in one request: one request costs a service less than
+    several, leaves no unfinished upload, and runs beside the other objects of the save."""
+    return min(SINGLE_REQUEST_PARTS * part_size, SINGLE_REQUEST_MOST)
+
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _slots: dict[int, threading.Semaphore] = {}
@@ -74,6 +84,8 @@ class UploadStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         self._buffer += view
         self._position += len(view)
+        if self._upload_id is None and len(self._buffer) <= single_request_limit(self._part_size):
+            return len(view)  # may still go as one request
         while len(self._buffer) >= self._part_size:
             part = bytes(self._buffer[: self._part_size])
             del self._buffer[: self._part_size]
