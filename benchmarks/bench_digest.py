@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_digest.py [--mib 256] [--reps 5]
 
 Prints a Markdown table: GB/s of safeckpt's digest of an untrained tensor
-(``safeckpt._storage.content_digest.digest``: XXH3-128 over a header and the
+(``safeckpt._format.content_digest.digest``: XXH3-128 over a header and the
 tensor's bytes, in place) and of the strong hashes it was weighed against, over
 the same random tensor (median of ``--reps``), next to a memcpy of it. blake3
 is measured where the ``blake3`` package is installed (it is no dependency).
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from safeckpt._storage.content_digest import digest
+from safeckpt._format.content_digest import digest
 
 
 def _bytes_of(tensor: torch.Tensor) -> Any:

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from forkserver import context
 from safeckpt import CheckpointManager, Retention
 from safeckpt._fs.fileops import FileOps
 from safeckpt._ops.maintenance import verify
+from safeckpt.errors import SaveFailedError
 
 
 class Lora(nn.Module):
@@ -215,6 +217,65 @@ def test_a_filesystem_without_hard_links_gets_the_file_written(root: Path) -> No
     assert "from" not in untrained_files(root, 2)["__0_1.distcp"]
     assert inode(root / "step_2" / "__0_1.distcp") != inode(root / "step_1" / "__0_1.distcp")
     assert torch.equal(restored_base(root, 2), model.base.weight)
+
+
+# --- save() takes a digest, not a copy, of what has not changed since the last save() -------------
+
+
+def test_an_unchanged_frozen_base_is_digested_at_save_not_copied(root: Path) -> None:
+    model, optim, state = build()
+    base = sum(p.nbytes for p in model.base.parameters())
+    with CheckpointManager(root, retention=Retention(keep_last=5)) as mgr:
+        pool = mgr._pool  # type: ignore[union-attr]
+        mgr.save(1, state)  # the first save: nothing to compare with, everything copied
+        assert pool.nbytes >= base
+        mgr.wait()
+        for step in (2, 3):
+            train_step(model, optim)
+            mgr.save(step, state)
+            assert pool.nbytes < base  # the adapter and AdamW's state only
+            mgr.wait()
+        model.base.weight.data[3, 3] += 1.0  # through .data: its digest tells
+        mgr.save(4, state)
+        assert pool.nbytes >= base
+    for step in (2, 3):
+        assert untrained_files(root, step)["__0_1.distcp"]["from"] == "step_1"
+    assert "from" not in untrained_files(root, 4)["__0_1.distcp"]
+    assert torch.equal(restored_base(root, 4), model.base.weight)
+
+
+class GatedNoLinks(NoHardLinks):
+    """No hard links (a tensor save() did not copy must be written from the live one), and the
+    writer held at its attempt to link until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def link(self, src: Path, dst: Path) -> None:
+        self.reached.set()
+        assert self.go.wait(60)
+        super().link(src, dst)
+
+
+def test_a_frozen_tensor_changed_after_save_returned_is_never_stored(root: Path) -> None:
+    model, _optim, state = build()
+    ops = GatedNoLinks()
+    with CheckpointManager(root, file_ops=ops, retention=Retention(keep_last=5)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        at_save = model.base.weight.detach().clone()
+        mgr.save(2, state)  # unchanged since save 1: digested, not copied
+        assert ops.reached.wait(60)
+        model.base.weight.data.mul_(2.0)  # after save() returned, before its bytes are written
+        ops.go.set()
+        with pytest.raises(SaveFailedError, match="has changed since"):
+            mgr.wait()
+        mgr.save(3, state)  # copies it: the digest differs from save 2's
+        mgr.wait()
+        assert [c.step for c in mgr.checkpoints()] == [1, 3]
+    assert torch.equal(restored_base(root, 1), at_save)
+    assert torch.equal(restored_base(root, 3), at_save * 2.0)
 
 
 # --- kill -9 in a save that shares, and in the pruning of what it shares from ---------------------

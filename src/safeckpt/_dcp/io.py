@@ -74,6 +74,12 @@ def reader_for(directory: Loc | str | os.PathLike[str], record: Record | None = 
     )
 
 
+def writes_its_own_archives() -> bool:
+    """Whether a save's data files go through safeckpt's writer (which checks a live untrained
+    tensor's digest before it writes its bytes), not DCP's own (``dcp_io="torch"``)."""
+    return not _torch_io()
+
+
 def _torch_io() -> bool:
     """Whether this call uses DCP's own writer and reader (``dcp_io="torch"``: same files, slower),
     a way around a problem in :mod:`safeckpt._storage.writer` without changing code."""

@@ -6,8 +6,8 @@ by the writer (``safeckpt._storage.reuse`` decides with it; see there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .checksums import FileChecksum
@@ -38,6 +38,11 @@ class Reuse:
     earlier_dir: str | None = None
     """The store's name of the previous commit's directory (None: the first save, nothing to share)."""
     earlier: tuple[EarlierFile, ...] = ()
+    digests: Mapping[str, str] = field(default_factory=dict)
+    """Digests taken at ``save()`` (by DCP key) of untrained tensors in host memory."""
+    live: frozenset[str] = frozenset()
+    """Those of them ``save()`` did not copy (the previous ``save()`` saw the same digest): the
+    state holds the live tensor, whose bytes may be written only after checking its digest."""
 
     @classmethod
     def of(
@@ -49,6 +54,8 @@ class Reuse:
         files: Any,
         contents: Any,
         checksums: Any,
+        digests: Mapping[str, str] | None = None,
+        live: frozenset[str] = frozenset(),
     ) -> Reuse:
         """From the previous commit's record (``files``, ``contents``, ``checksums``); a file whose
         entries do not agree with each other is left out (written again, never shared)."""
@@ -66,4 +73,5 @@ class Reuse:
                 continue
             origin = entry.shared_from or earlier_name
             found.append(EarlierFile(name, entry, checksum, size, origin))
-        return cls(frozenset(untrained), earlier_dir, tuple(found) if earlier_dir is not None else ())
+        earlier = tuple(found) if earlier_dir is not None else ()
+        return cls(frozenset(untrained), earlier_dir, earlier, dict(digests or {}), live)

@@ -290,7 +290,7 @@ class Committer:
         entry = self._view.get(latest) if latest is not None else None
         record = entry.record if entry is not None else None
         if entry is None or record is None or record.contents is None:
-            return Reuse(job.untrained)
+            return Reuse(job.untrained, digests=job.digests, live=job.live)
         prefix = f"__{self._ranks.rank}_"  # this rank's own files (DCP names them so)
         mine = {n: c for n, c in record.contents.items() if n.startswith(prefix)}
         return Reuse.of(
@@ -300,6 +300,8 @@ class Committer:
             files=record.files,
             contents=mine,
             checksums=record.checksums,
+            digests=job.digests,
+            live=job.live,
         )
 
     def _shared_sizes(self, contents: Mapping[str, Any], listed: Mapping[str, int]) -> dict[str, int]:

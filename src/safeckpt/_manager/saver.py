@@ -7,17 +7,19 @@ inline for a sync save).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._dcp.io import writes_its_own_archives
 from .._dist.participants import Participants
 from .._format.layout import Layout
 from .._format.record import check_json_value, clean_metrics
-from .._state.untrained import untrained_keys
-from .._state.walk import StateCache, capture
+from .._state.untrained import digests_at_save, untrained_keys
+from .._state.walk import Captured, StateCache, capture
 from .._util.gc_pause import collector_paused
 from .._util.validate import int_or_none, validate_step
 from ..errors import CheckpointError, InvalidSaveError, SaveFailedError
@@ -69,6 +71,7 @@ class Saver:
         self._outcomes = outcomes
         self._triggers = triggers
         self._pool = pool
+        self._untrained_digests: dict[str, str] = {}  # at the last save(): what it need not copy
         self._writer = writer
         self._state_cache = state_cache
         self._overlap = overlap
@@ -130,12 +133,17 @@ class Saver:
             job = self._new_job(step, captured.encode_train_state, clean, dict(extra or {}))
             job.untrained = untrained_keys(captured)
             if self._pool is not None:
+                to_stage = self._untrained_unchanged(job, captured)
                 job.slot = self._acquire_slot(step)
                 with collector_paused():
                     if self._overlap:
-                        job.dcp_state, job.pending = stage_overlapped(job.slot, captured)
+                        job.dcp_state, job.pending = stage_overlapped(job.slot, to_stage)
                     else:
-                        job.dcp_state = job.slot.stage(captured.dcp)
+                        job.dcp_state = job.slot.stage(to_stage.dcp)
+                if job.live:  # the live tensors in their places: DCP's plan keeps its order
+                    job.dcp_state = {
+                        k: v if k in job.live else job.dcp_state[k] for k, v in captured.dcp.items()
+                    }
             else:
                 job.dcp_state = captured.dcp
         except BaseException as e:
@@ -169,6 +177,18 @@ class Saver:
             earlier = earlier or later
         if earlier is not None:
             raise taken_anyway(earlier, job.step, async_save=self._writer is not None)
+
+    def _untrained_unchanged(self, job: SaveJob, captured: Captured) -> Captured:
+        """Digest the untrained tensors in host memory now; those with the digests of the last
+        ``save()`` are left out of the copy (``job.live``). Returns what is still to be staged."""
+        if not job.untrained or not writes_its_own_archives():
+            return captured
+        job.digests = digests_at_save(captured.dcp, job.untrained)
+        earlier, self._untrained_digests = self._untrained_digests, dict(job.digests)
+        job.live = frozenset(k for k, d in job.digests.items() if earlier.get(k) == d)
+        if not job.live:
+            return captured
+        return dataclasses.replace(captured, dcp={k: v for k, v in captured.dcp.items() if k not in job.live})
 
     def _drop(self, job: SaveJob | None) -> None:
         """A save refused on some rank: its staging goes back, its copy never starts."""

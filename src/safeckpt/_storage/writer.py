@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .._format.checksums import FileChecksum
+from .._format.content_digest import as_archived, digest
 from .._format.contents import FileContents, ItemDigest
 from .._format.layout import DATA_SUFFIX
 from .._fs.direct_write import DirectFileWriter
-from .content_digest import as_archived, digest
+from ..errors import SaveFailedError
 from .prefetch import prefetch
 from .reader import RawFileSystemReader
 from .reuse import EarlierFile, Grouping, Index, Reuse, group
@@ -95,6 +96,8 @@ class RawFileSystemWriter(FileSystemWriter):
         self._checksums_lock = threading.Lock()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._reuse is not None and self._reuse.live:
+            planner = cast(SavePlanner, _LiveChecked(planner, self._reuse.live, self._reuse.digests))
         if not self._fast_path_usable():
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
@@ -165,7 +168,13 @@ class RawFileSystemWriter(FileSystemWriter):
         """Digest the untrained items (on this thread, from the staged copy), share the earlier
         files that hold exactly these bytes, and group the rest into files to write."""
         assert self._reuse is not None
-        self._digests = {_index(i): digest(cast(torch.Tensor, planner.resolve_data(i))) for i in items}
+        given = self._reuse.digests  # taken at save() (a live tensor's only digest)
+        self._digests = {
+            _index(i): given[i.index.fqn]
+            if i.index.fqn in given
+            else digest(cast(torch.Tensor, planner.resolve_data(i)))
+            for i in items
+        }
         share = self._share
 
         def shared(earlier: EarlierFile) -> bool:
@@ -211,6 +220,36 @@ class RawFileSystemWriter(FileSystemWriter):
                     tuple(ItemDigest(*_index(i), self._digests[_index(i)]) for i in ordered)
                 )
         return results
+
+
+class _LiveChecked:
+    """A planner whose data for an untrained tensor ``save()`` did not copy (``live``) is a copy of
+    the live tensor taken now, given only if it has the digest ``save()`` saw: the bytes written
+    are the bytes at ``save()``, never a later value."""
+
+    def __init__(self, planner: SavePlanner, live: frozenset[str], digests: Mapping[str, str]) -> None:
+        self._planner = planner
+        self._live = live
+        self._digests = digests
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        data = self._planner.resolve_data(item)
+        key = item.index.fqn
+        if key not in self._live:
+            return data
+        copy = cast(torch.Tensor, data).detach().clone()
+        if digest(copy) != self._digests[key]:
+            raise SaveFailedError(
+                f"{key} is a tensor nothing trains, so save() took its digest instead of a copy "
+                "(it had not changed since the previous save); it has changed since, before its "
+                "bytes could be written. Nothing of this save is committed, and no later value "
+                "was stored; the next save copies it. Change frozen weights before save(), not "
+                "while a save is being written."
+            )
+        return copy
 
 
 def _write_item(

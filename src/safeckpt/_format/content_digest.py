@@ -3,7 +3,8 @@
 XXH3-128 over a header (dtype, shape, strides, storage offset) and the bytes the
 tensor's archive holds: two tensors with one digest have the same archive, so a
 file of untrained tensors whose every digest matches the earlier file's can be
-shared instead of written. Computed on the staged copy, on the writer thread.
+shared instead of written. Computed at ``save()`` for untrained tensors in host
+memory, else on the staged copy on the writer thread.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, cast
 import torch
 import xxhash
 
-from .._format.contents import DIGEST
+from .contents import DIGEST
 
 __all__ = ["DIGEST", "as_archived", "digest"]
 
