@@ -165,8 +165,8 @@ class RawFileSystemWriter(FileSystemWriter):
         return untrained, [i for i in items if id(i) not in chosen]
 
     def _group_untrained(self, items: list[WriteItem], planner: SavePlanner, names: set[str]) -> Grouping:
-        """Digest the untrained items (on this thread, from the staged copy), share the earlier
-        files that hold exactly these bytes, and group the rest into files to write."""
+        """Digest the untrained items save() did not (here, from the staged copy), share the
+        earlier files that hold exactly these bytes, and group the rest into files to write."""
         assert self._reuse is not None
         given = self._reuse.digests  # taken at save() (a live tensor's only digest)
         self._digests = {
