@@ -205,3 +205,24 @@ def test_kills_spread_over_a_sharing_save_and_its_pruning_resume_exact(s3_bucket
 @pytest.mark.slow
 def test_kill_at_every_request_of_a_sharing_save_and_its_pruning_resumes_exact(s3_bucket, tmp_path) -> None:  # type: ignore[no-untyped-def]
     _kill_in_sharing_saves(s3_bucket, tmp_path, kills=None)
+
+
+def test_sharing_holds_when_the_trained_state_grows_into_more_objects(s3_bucket) -> None:  # type: ignore[no-untyped-def]
+    # Save 1 of the model alone (the trained state is one object), save 2 with its AdamW state too
+    # (three times the bytes: two objects). The untrained file keeps its name and is shared.
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.base = torch.nn.Parameter(torch.randn(1 << 18), requires_grad=False)  # 1 MiB, frozen
+    model.adapter = torch.nn.Parameter(torch.randn(1 << 20))  # 4 MiB, trained
+    optim = torch.optim.AdamW([model.adapter], lr=0.1)
+    root, options = s3_bucket.url("grow"), {"part_size": 5 << 20, "max_concurrency": 4}
+    with CheckpointManager(root, storage_options=options, retention=Retention(keep_last=5)) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.wait()
+        mgr.save(2, {"model": model, "optim": optim})
+    bucket = Bucket(s3_bucket, "grow/")
+    record = bucket.record("step_2")
+    trained = [n for n in record["files"] if n.endswith(".distcp") and n not in record["contents"]]
+    assert len(trained) == 2, trained  # the trained state took two objects
+    shared = {n: c.get("from") for n, c in record["contents"].items()}
+    assert list(shared.values()) == [bucket.commits()["step_1"]["safeckpt-area"]], shared

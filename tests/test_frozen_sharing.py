@@ -244,6 +244,20 @@ def test_an_unchanged_frozen_base_is_digested_at_save_not_copied(root: Path) -> 
     assert torch.equal(restored_base(root, 4), model.base.weight)
 
 
+def test_with_dcps_own_writer_save_copies_every_frozen_tensor(root: Path) -> None:
+    # DCP's own writer (dcp_io="torch") cannot check a live tensor's digest: nothing is left uncopied.
+    model, optim, state = build()
+    base = sum(p.nbytes for p in model.base.parameters())
+    with CheckpointManager(root, dcp_io="torch", retention=Retention(keep_last=5)) as mgr:
+        pool = mgr._pool  # type: ignore[union-attr]
+        for step in (1, 2, 3):
+            train_step(model, optim)
+            mgr.save(step, state)
+            assert pool.nbytes >= base
+            mgr.wait()
+    assert torch.equal(restored_base(root, 3), model.base.weight)
+
+
 class GatedNoLinks(NoHardLinks):
     """No hard links (a tensor save() did not copy must be written from the live one), and the
     writer held at its attempt to link until the test lets it go."""

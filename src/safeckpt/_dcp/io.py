@@ -35,7 +35,7 @@ from .._format.record import Record, read_record
 from .._store.base import ItemInfos
 from .._store.loc import Loc, as_loc
 from .._util.torch_private import set_element
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, SaveFailedError, UnsafeCheckpointError
 from . import options
 from .nesting import flatten_nested, nest_for_dcp
 from .plans import SavePlans
@@ -233,6 +233,12 @@ def save(
     commit's files of them (``safeckpt._storage.reuse.Reuse``), to share what is
     unchanged. The caller checksums what :attr:`Written.checksums` lacks.
     """
+    if reuse is not None and reuse.live and _torch_io():
+        # DCP's own writer would write those live tensors unchecked: a later value. Never.
+        raise SaveFailedError(
+            "safeckpt: a save with tensors save() did not copy reached DCP's own writer "
+            '(dcp_io="torch"), which cannot check them; nothing was written. Please report this.'
+        )
     # Same files as DCP's FileSystemWriter (plain dcp.load reads them), without torch.save's slow CRC.
     directory = as_loc(directory)
     writer = directory.store.dcp_writer(

@@ -220,7 +220,9 @@ class Committer:
             if job.pending is not None:  # overlap_staging: the copy into the slot, finished
                 job.pending.wait()
             if ranks.distributed:  # before the staging buffers go back: see safeckpt._state.replicas
-                prints = fingerprints(job.dcp_state, job.step)
+                # Not the live tensors save() did not copy: read now, they may have moved on.
+                staged = {k: v for k, v in job.dcp_state.items() if k not in job.live}
+                prints = fingerprints(staged, job.step)
             self._store.make_dir(job.staging_dir.key)
             # Nested by first key segment: DCP's per-top-level-key work then runs per group.
             written = dcp_io.save(
@@ -280,6 +282,12 @@ class Committer:
                     "safeckpt: after committing step %d: %s; retried at the next commit", job.step, e
                 )
         self._outcomes.share_view(ranks.writer, what=f"the checkpoints after step {job.step}")
+
+    def checks_live_tensors(self) -> bool:
+        """Whether this manager's saves write through safeckpt's writer, which checks the digest of
+        a tensor save() did not copy before writing its bytes (not DCP's own: ``dcp_io="torch"``)."""
+        with using_io(self._io):
+            return dcp_io.writes_its_own_archives()
 
     def _reuse(self, job: SaveJob) -> Reuse | None:
         """What this rank's writer needs to share untrained tensors' unchanged files with the

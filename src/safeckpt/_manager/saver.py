@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._dcp.io import writes_its_own_archives
 from .._dist.participants import Participants
 from .._format.layout import Layout
 from .._format.record import check_json_value, clean_metrics
@@ -181,7 +180,7 @@ class Saver:
     def _untrained_unchanged(self, job: SaveJob, captured: Captured) -> Captured:
         """Digest the untrained tensors in host memory now; those with the digests of the last
         ``save()`` are left out of the copy (``job.live``). Returns what is still to be staged."""
-        if not job.untrained or not writes_its_own_archives():
+        if not job.untrained or not self._committer.checks_live_tensors():
             return captured
         job.digests = digests_at_save(captured.dcp, job.untrained)
         earlier, self._untrained_digests = self._untrained_digests, dict(job.digests)

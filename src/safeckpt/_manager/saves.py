@@ -54,9 +54,9 @@ class SaveJob(Flight):
     pending: OverlappedCopy | None = None  # overlap_staging: the copy still running into the slot
     committed_here: bool = False  # this rank committed it in its root (set by the commit itself)
     untrained: frozenset[str] = frozenset()
+    """The DCP keys of the tensors nothing trains: written apart, shared where unchanged."""
     digests: dict[str, str] = field(default_factory=dict)  # of untrained host tensors, at save()
     live: frozenset[str] = frozenset()  # untrained tensors not copied: unchanged since the last save()
-    """The DCP keys of the tensors nothing trains: written apart, shared where unchanged."""
     submitted: float = field(default_factory=monotonic)  # (the field `time` hides the module here)
 
     @functools.cached_property

@@ -9,10 +9,12 @@ once are bounded by the window, not by the size of a rank's state.
 
 GETs are as large as they can be while the pool still has one per thread: the
 bytes wanted divided by the concurrency, at least ``part_size`` and at most four
-parts. Each object's ranges are cut into pieces of about that size (never one
-smaller than half of it at the end), so an object of a few parts is one GET: a
-server pays per request, and some (moto among them) read a whole object to serve
-any range of it.
+parts. Each object's ranges are cut into equal pieces of about that size (up to
+1.5 times it, so that an object a little larger than one GET is not read as a
+GET and a sliver), so an object of a few parts is one GET: a server pays per
+request, and some (moto among them) read a whole object to serve any range of
+it. An item larger than the window (one big embedding) is read whole, its GETs
+all at once, and joined: the bytes held are the window's or one item's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def plan(
     wanted: Sequence[tuple[str, Sequence[tuple[int, int]]]], *, part_size: int, concurrency: int
 ) -> list[Get]:
     """The GETs for ``wanted`` (each object's key and the spans read from it), in that order."""
-    ranges = [(key, span) for key, spans in wanted for span in merged(spans)]
+    ranges = [(key, (start, end)) for key, spans in wanted for start, end in merged(spans) if end > start]
     total = sum(end - start for _, (start, end) in ranges)
     size = min(max(part_size, math.ceil(total / max(1, concurrency))), MAX_PARTS_PER_GET * part_size)
     gets = []
@@ -97,6 +99,8 @@ class Fetch:
 
     def wait(self, key: str, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of object ``key`` (a span it was planned with)."""
+        if end <= start:
+            return memoryview(b"")
         starts = self._index[key]
         first = starts[bisect.bisect_right(starts, (start, len(self._gets))) - 1][1]
         last = starts[bisect.bisect_left(starts, (end, -1)) - 1][1]

@@ -2,9 +2,11 @@
 
 An upload is written as a stream (``write``/``tell``, as DCP's writers write a
 file) and goes out in parts of ``part_size`` bytes, ``max_concurrency`` at a
-time, each with its CRC32; memory is bounded by the parts in flight, twice the
-pool's threads for all the uploads of the process together. A small object
-(:func:`single_request_limit`) is one PUT, sent when it is closed. An upload
+time, each with its CRC32; the parts in flight are bounded by twice the pool's
+threads for all the uploads of the process together. A small object
+(:func:`single_request_limit`) is one PUT, sent when it is closed: each stream
+may hold that much before its first part goes, so a writer of ``n`` files side
+by side holds up to ``n`` such buffers besides the parts in flight. An upload
 that fails or is abandoned is aborted, so no unfinished upload is left behind by this process (one left by a
 killed process is collected by the next writer, see :mod:`.store`).
 """
@@ -95,6 +97,9 @@ class UploadStream(io.RawIOBase):
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
             self._upload_id = self._client.start_upload(self._key)
+        for sent_before in self._parts:  # a part that failed: the upload is lost, stop feeding it
+            if sent_before.done() and not sent_before.cancelled() and sent_before.exception() is not None:
+                raise sent_before.exception()  # type: ignore[misc]
         # Bounded memory: a part waits for a slot, which the part before it frees once it is sent.
         slots = _part_slots(self._concurrency)
         slots.acquire()

@@ -82,7 +82,8 @@ class RawFileSystemWriter(FileSystemWriter):
         commit's files of them; ``share(file)`` makes such a file part of this checkpoint without
         writing it (the store's way: a hard link), and says whether it could (see :mod:`.reuse`).
         ``min_file_bytes``: with ``single_file_per_rank``, the tensors go into up to ``thread_count``
-        files of at least this many bytes each (0: always ``thread_count``)."""
+        files, one per ``min_file_bytes`` of them (0: always ``thread_count``); their sizes are as
+        even as a largest-first split of the tensors makes them."""
         super().__init__(*args, **kwargs)
         self._min_file_bytes = min_file_bytes
         self._direct_io = direct_io  # O_DIRECT for the data files where the filesystem takes it
@@ -113,7 +114,9 @@ class RawFileSystemWriter(FileSystemWriter):
             grouping = self._group_untrained(untrained, planner, set(names))
             for earlier, items in grouping.shared:
                 results.extend(_shared_results(earlier, items))
-            n = len(buckets)
+            # After every name a trained file can take (their count varies with the trained bytes):
+            # the next save's grouping then never finds an earlier shared name among its own.
+            n = max(len(buckets), self.thread_count)
             for items in grouping.written:
                 while f"{prefix}{n}{DATA_SUFFIX}" in self.contents:  # a shared file's name
                     n += 1
