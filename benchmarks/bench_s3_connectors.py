@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_s3_connectors: s3torchconnector[dcp] is not installed ({e})", file=sys.stderr)
         return SKIPPED
     os.environ.setdefault("AWS_REGION", REGION)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")  # no_dist
     return with_bucket("bench_s3_connectors", lambda endpoint, bucket: run(bucket, args))
 
 
