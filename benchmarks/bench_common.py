@@ -55,6 +55,18 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def rotated_rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each function, once per round, in an order rotated every round: subjects timed
+    side by side, so a server's drift over the run (moto slows as it holds more) falls on all."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(reps):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            times[name].append(timed(fns[name]))
+    return times
+
+
 def steal_seconds() -> float:
     """Steal time of every CPU so far, in seconds: what a VM's host ran instead of this guest
     (``/proc/stat``; 0 where there is none)."""

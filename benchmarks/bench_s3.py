@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 import safeckpt
-from bench_common import build_state, host_buffers, memcpy
+from bench_common import build_state, host_buffers, memcpy, rotated_rounds
 from bench_moto import client as s3_client
 from bench_moto import with_bucket
 from s3_server import moto_version
@@ -45,21 +45,6 @@ from s3_server import moto_version
 MIB = 1 << 20
 PART = 16 * MIB
 CONCURRENCY = 8
-
-
-def _rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    """Each function once per round, in an order rotated every round: a subject and its limit are
-    timed side by side, so the server's drift over the run (moto slows as it holds more) falls
-    on both."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(reps):
-        turn = r % len(names)
-        for name in names[turn:] + names[:turn]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _transfer() -> Any:
@@ -151,7 +136,7 @@ def _run(endpoint: str, bucket: str, size: int, reps: int) -> int:
         for mgr, where in ((on_s3, "s3"), (local, "local")):  # the first save allocates the staging buffers
             save(mgr, where)
             blocked[where].clear()
-        times |= _rounds(
+        times |= rotated_rounds(
             {
                 "memcpy": lambda: memcpy(tensors, buffers),
                 "raw upload": raw_upload,
@@ -168,7 +153,9 @@ def _run(endpoint: str, bucket: str, size: int, reps: int) -> int:
         with safeckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
             mgr.restore(bench.state)
 
-    times |= _rounds({"raw download": raw_download, "safeckpt cold restore": restore, **load_peers}, reps)
+    times |= rotated_rounds(
+        {"raw download": raw_download, "safeckpt cold restore": restore, **load_peers}, reps
+    )
 
     print(_markdown(times, nbytes, reps, peers_note))
     return 0

@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import safeckpt
-from bench_common import build_state
+from bench_common import build_state, rotated_rounds
 from bench_moto import SKIPPED, with_bucket
 from bench_state import SMALL_NUMEL, SMALL_TENSORS
 from s3_server import REGION, moto_version
@@ -107,17 +106,6 @@ def subjects(bucket: str, state: dict[str, Any], label: str, threads: list[int])
     return out
 
 
-def rounds(subjects: list[Subject], op: str, reps: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {s.name: [] for s in subjects}
-    for r in range(reps):
-        turn = r % len(subjects)
-        for s in subjects[turn:] + subjects[:turn]:
-            start = time.perf_counter()
-            getattr(s, op)()
-            times[s.name].append(time.perf_counter() - start)
-    return times
-
-
 def table(title: str, times: dict[str, list[float]], nbytes: int) -> str:
     peers = {name: t for name, t in times.items() if name != SAFECKPT}
     best = min(peers, key=lambda name: statistics.median(peers[name]))
@@ -159,8 +147,8 @@ def run(bucket: str, args: argparse.Namespace) -> int:
             for s in subs:  # warm-up: allocations, connections, and a checkpoint to restore
                 s.save()
                 s.restore()
-            saved = rounds(subs, "save", args.reps)
-            restored = rounds(subs, "restore", args.reps)
+            saved = rotated_rounds({s.name: s.save for s in subs}, args.reps)
+            restored = rotated_rounds({s.name: s.restore for s in subs}, args.reps)
         finally:
             subs[0].close()  # type: ignore[attr-defined]
         what = f"{label}: {nbytes / MIB:.0f} MiB" + (f", {SMALL_TENSORS} tensors" if label == "small" else "")

@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 import safeckpt
-from bench_common import build_state
+from bench_common import build_state, rotated_rounds
 from safeckpt._objstore.transfer import UploadStream
 from safeckpt._store.registry import open_store
 
@@ -150,18 +149,6 @@ def _azure_sdk(connection_string: str, container: str) -> tuple[Callable, Callab
 STORES = {"s3": s3, "gcs": gcs, "azure": azure}
 
 
-def rounds(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(reps):
-        turn = r % len(names)
-        for name in names[turn:] + names[:turn]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def side_by_side(fn: Callable[[int], Any], n: int) -> list[Any]:
     with ThreadPoolExecutor(n) as workers:
         return list(workers.map(fn, range(n)))
@@ -215,8 +202,8 @@ def measure(emulator: Emulator, size: int, reps: int) -> str:
         loads["safeckpt cold restore"] = restore
         for fn in (*saves.values(), *loads.values()):  # warm-up, and every object in place
             fn()
-        saved = rounds(saves, reps)
-        loaded = rounds(loads, reps)
+        saved = rotated_rounds(saves, reps)
+        loaded = rotated_rounds(loads, reps)
     sdk_note = "" if emulator.sdk is not None else " (SDK not installed)"
     lines = [
         f"**{emulator.url.split(':')[0]}://** on {emulator.note}, {len(raw) / MIB:.0f} MiB{sdk_note}",
